@@ -1,0 +1,131 @@
+"""Frozen engine configuration, built from EngineArgs by `create_engine_config()`.
+
+Each section is a small frozen dataclass; `EngineConfig` groups them. Values that are
+only known once the model is loaded (the number of KV blocks) are written back with
+`dataclasses.replace` after the engine core's handshake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    """The model as the user named it (path, .gguf file or hub id)."""
+    model_path: str
+    """Resolved local path: a model directory or a .gguf file."""
+    tokenizer: str
+    """Where the tokenizer comes from (defaults to model_path)."""
+    dtype: torch.dtype
+    """Resolved compute dtype of weights and KV cache."""
+    max_model_len: int
+    """Longest sequence (prompt + output) a request may reach."""
+    seed: int
+    """Global seed for reproducible sampling."""
+    served_model_name: str
+    """The name the OpenAI server reports and accepts."""
+    hf_config: Any = field(compare=False, repr=False)
+    """transformers PretrainedConfig of the model (from config.json or GGUF metadata)."""
+    generation_config: dict = field(default_factory=dict, compare=False, repr=False)
+    """Defaults from generation_config.json (eos ids), if any."""
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"]
+        return archs[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int | None = None
+    """Explicit KV cache budget in bytes; overrides the memory fraction."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use (CUDA: total; CPU: of available RAM, capped)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    num_gpu_blocks: int | None = None
+    """Number of KV blocks, filled in after the model is loaded and memory is measured."""
+    num_gpu_blocks_override: int | None = None
+    """Force this number of KV blocks (tests, debugging)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prompt chunks + decodes)."""
+    max_model_len: int = 2048
+    """Copy of ModelConfig.max_model_len for the scheduler."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    policy: str = "fcfs"
+    """'fcfs' or 'priority' (lower priority value first, then arrival)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    """Number of engine-core processes (independent model replicas)."""
+    data_parallel_rank: int | None = None
+    """With external load balancing: the one rank this client drives."""
+    data_parallel_external_lb: bool = False
+    """An external router balances across ranks; this client talks to one rank."""
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    """Resolved device type: 'cpu' or 'cuda'."""
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    mode: int = 0
+    """0 = eager; >= 1 = torch.compile the model forward."""
+    backend: str = "inductor"
+    """torch.compile backend when mode >= 1."""
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = False
+    """Do not log periodic throughput statistics."""
+    log_stats_interval: float = 5.0
+    """Seconds between throughput log lines."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    compilation_config: CompilationConfig = CompilationConfig()
+    observability_config: ObservabilityConfig = ObservabilityConfig()

@@ -1,0 +1,121 @@
+"""Messages that cross the frontend <-> engine-core boundary.
+
+Positional msgspec structs (array_like): fields are encoded by position, so new fields
+go at the end only. No pickle on the wire. Everything here is plain data.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from pagellm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the context limit
+    ABORT = 2  # aborted by the user, a disconnect or shutdown
+    ERROR = 3  # the engine could not process the request
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of a client -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    type: EngineCoreEventType
+    timestamp: float
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    data_parallel_rank: int | None = None
+    client_index: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of some positions: for each position, the token ids and logprobs of the
+    sampled (or prompt) token first, then the top-k, and the rank of the first one."""
+
+    logprob_token_ids: list[list[int]]  # [num_positions][1 + k]
+    logprobs: list[list[float]]  # [num_positions][1 + k]
+    ranks: list[int]  # [num_positions] rank of the sampled/prompt token (1 = best)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_preemptions: int = 0  # preemptions this step
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None  # for the data-parallel load balancer
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()
+
+
+class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
+    """Sent by an engine core once its model is loaded and KV cache allocated."""
+
+    num_gpu_blocks: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

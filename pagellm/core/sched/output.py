@@ -1,0 +1,77 @@
+"""The scheduler -> model runner contract for one step (and the runner's reply).
+
+The scheduler knows no tensors and the runner knows no policy: this dataclass is all
+that passes between them. New requests arrive in full; running ones as diffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.core.protocol import LogprobsLists
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no row for: first scheduling, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption (empty on first scheduling). The runner
+    # recomputes KV for prompt + these.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The request's whole block table (prefix-cache hits included).
+    block_ids: list[int]
+    # Tokens whose KV is already in the cache (prefix-cache hits); this step starts here.
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds a row for, as diffs (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Block ids appended to each request's block table this step.
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Tokens computed before this step (the runner checks it against its own count).
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to run this step (prompt chunk, or 1 for a decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished (or aborted) since the last step: the runner drops their rows.
+    finished_req_ids: set[str]
+    # Requests preempted this step: the runner drops their rows; they come back as new.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner hands back after a step, keyed by request id."""
+
+    req_ids: list[str]
+    # One list per request in req_ids: the sampled token (empty while a prompt is
+    # still being prefilled in chunks and no token is due).
+    sampled_token_ids: list[list[int]]
+    # Logprobs of the sampled tokens for requests that asked for them.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Prompt logprobs computed this step (for the chunk just run), by request.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

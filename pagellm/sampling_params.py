@@ -1,0 +1,152 @@
+"""SamplingParams: how one request is decoded, with vLLM's fields and defaults.
+
+A msgspec Struct so it crosses the process boundary inside EngineCoreRequest without
+pickle. Validation runs in __post_init__ and names the offending field and its range.
+"""
+
+from __future__ import annotations
+
+import copy
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+_MAX_TEMP = 1e-2
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # everything so far, on every step
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
+    # Derived (set by the input processor, carried to the engine core).
+    eos_token_id: int | None = None
+    all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify_args()
+        if 0 < self.temperature < _MAX_TEMP:
+            self.temperature = _MAX_TEMP
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs mean nothing.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if not self.all_stop_token_ids:
+            self.all_stop_token_ids = list(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        def bad(name: str, rule: str, value: Any) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise bad(name, "in [-2, 2]", v)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if self.temperature < 0.0:
+            raise bad("temperature", "non-negative", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "-1 or 0 (disable) or at least 1", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "at least 1", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "non-negative", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "-1 (full vocabulary) or non-negative", self.logprobs)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "-1 (full vocabulary) or non-negative", self.prompt_logprobs)
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise ValueError("allowed_token_ids must not be empty.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer", self.seed)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Checks that token ids the user gave exist in the vocabulary."""
+        def check(name: str, ids: Any) -> None:
+            for t in ids:
+                if not isinstance(t, int) or not 0 <= t < vocab_size:
+                    raise ValueError(
+                        f"{name} contains token id {t!r}, out of vocabulary range [0, {vocab_size})."
+                    )
+
+        check("stop_token_ids", self.stop_token_ids or [])
+        check("allowed_token_ids", self.allowed_token_ids or [])
+        check("logit_bias", list((self.logit_bias or {}).keys()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__struct_fields__)
+        return f"SamplingParams({fields})"
