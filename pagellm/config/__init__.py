@@ -7,6 +7,7 @@ only known once the model is loaded (the number of KV blocks) are written back w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,3 +130,8 @@ class EngineConfig:
     device_config: DeviceConfig
     compilation_config: CompilationConfig = CompilationConfig()
     observability_config: ObservabilityConfig = ObservabilityConfig()
+
+    def with_data_parallel_rank(self, rank: int) -> EngineConfig:
+        return dataclasses.replace(
+            self, parallel_config=dataclasses.replace(self.parallel_config, data_parallel_rank=rank)
+        )

@@ -1,0 +1,3 @@
+from pagellm.entrypoints.cli.main import main
+
+main()

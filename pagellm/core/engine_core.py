@@ -1,0 +1,127 @@
+"""EngineCore: scheduler + model runner, as pure logic with no sockets or threads.
+
+In: EngineCoreRequests and aborts. Out: one EngineCoreOutputs per client per step.
+EngineCoreProc wraps it in a process; InprocClient calls it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagellm import envs
+from pagellm.config import EngineConfig
+from pagellm.core.kv_cache.hashing import get_request_block_hasher
+from pagellm.core.protocol import EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched.scheduler import Scheduler
+from pagellm.logger import init_logger
+from pagellm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        _set_num_threads(config)
+        torch.manual_seed(config.model_config.seed)
+        self.model_runner = ModelRunner(config)
+        self.model_runner.load_model()
+        num_blocks = self.model_runner.determine_num_blocks()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.config = dataclasses.replace(
+            config, cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=num_blocks)
+        )
+        self.scheduler = Scheduler(
+            self.config.scheduler_config,
+            self.config.cache_config,
+            log_stats=not config.observability_config.disable_log_stats,
+        )
+        self.block_hasher = None
+        if config.cache_config.enable_prefix_caching:
+            self.block_hasher = get_request_block_hasher(config.cache_config.block_size)
+        self.check_invariants = envs.PAGELLM_CHECK_INVARIANTS
+        # EngineCoreProc replaces this to apply aborts that arrived during a forward.
+        self.pending_aborts_hook: Callable[[], None] = lambda: None
+        logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
+
+    def ready_response(self) -> EngineCoreReadyResponse:
+        sc = self.config.scheduler_config
+        return EngineCoreReadyResponse(
+            num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0,
+            max_model_len=self.config.model_config.max_model_len,
+            block_size=self.config.cache_config.block_size,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+        )
+
+    # -- requests --------------------------------------------------------------------
+
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """Builds the core-side Request (and its prompt block hashes)."""
+        return Request.from_engine_core_request(request, self.block_hasher)
+
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        if isinstance(request, EngineCoreRequest):
+            request = self.preprocess_add_request(request)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- stepping --------------------------------------------------------------------
+
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Schedules, runs the model once and updates requests. Returns outputs per
+        client index and whether the model ran."""
+        if not self.scheduler.has_requests():
+            return {}, False
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        self.pending_aborts_hook()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.check_invariants:
+            self.scheduler.check_invariants()
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # -- utilities (callable through the client's call_utility) -------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_scheduler_stats(self) -> Any:
+        return self.scheduler.make_stats()
+
+    def get_num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def run_check_invariants(self) -> bool:
+        self.scheduler.check_invariants()
+        return True
+
+    def get_pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _set_num_threads(config: EngineConfig) -> None:
+    """Data-parallel engines on one CPU share its cores instead of oversubscribing them."""
+    threads = envs.PAGELLM_NUM_THREADS
+    dp = config.parallel_config.data_parallel_size
+    if threads <= 0 and config.device_config.device == "cpu" and dp > 1:
+        threads = max(1, (os.cpu_count() or 1) // dp)
+    if threads > 0:
+        torch.set_num_threads(threads)

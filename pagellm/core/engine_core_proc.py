@@ -1,0 +1,211 @@
+"""EngineCoreProc: the engine core's process shell (handshake, IO threads, busy loop).
+
+Started by the client as `python -m pagellm.core.engine_core_proc` (never by forking or
+re-importing the user's script). Holds no policy: it moves messages between ZMQ sockets
+and an EngineCore. Exits on SIGTERM, on a fatal error (after sending ENGINE_CORE_DEAD)
+and when its parent process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from pagellm.core import serial
+from pagellm.core.engine_core import EngineCore
+from pagellm.core.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    UtilityOutput,
+)
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+HANDSHAKE_FAILED = b"FAILED"
+_POLL_MS = 100
+
+
+class EngineCoreProc:
+    def __init__(self, engine: EngineCore, input_address: str, output_address: str, rank: int):
+        self.engine = engine
+        self.rank = rank
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.shutdown_requested = False
+        self.engine.pending_aborts_hook = self._apply_pending_aborts
+        self._threads = [
+            threading.Thread(target=self._input_loop, args=(input_address,), daemon=True),
+            threading.Thread(target=self._output_loop, args=(output_address,), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- IO threads ------------------------------------------------------------------
+
+    def _input_loop(self, address: str) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.rank.to_bytes(2, "little"))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(serial.encode(self.engine.ready_response()))
+        while True:
+            if not sock.poll(_POLL_MS):
+                continue
+            kind, payload = sock.recv_multipart(copy=False)
+            req_type = EngineCoreRequestType(bytes(kind.buffer))
+            if req_type == EngineCoreRequestType.ADD:
+                request = serial.request_decoder.decode(payload.buffer)
+                self.input_queue.put((req_type, self.engine.preprocess_add_request(request)))
+            elif req_type == EngineCoreRequestType.ABORT:
+                ids = serial.abort_decoder.decode(payload.buffer)
+                self.aborts_queue.put(ids)
+                self.input_queue.put((req_type, ids))
+            else:
+                self.input_queue.put((req_type, serial.utility_decoder.decode(payload.buffer)))
+
+    def _output_loop(self, address: str) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 4000)  # so the dead sentinel still gets out
+        sock.connect(address)
+        while True:
+            item = self.output_queue.get()
+            if item is ENGINE_CORE_DEAD:
+                sock.send(ENGINE_CORE_DEAD)
+                time.sleep(0.1)
+                return
+            sock.send(serial.encode(item), copy=False)
+
+    # -- busy loop -------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while not self.shutdown_requested:
+            self._process_input_queue()
+            if self.shutdown_requested:
+                break
+            outputs, _ = self.engine.step()
+            for out in outputs.values():
+                self.output_queue.put(out)
+
+    def _process_input_queue(self) -> None:
+        # Block only when idle; otherwise drain what has arrived and go on stepping.
+        while not self.engine.has_work() and not self.shutdown_requested:
+            try:
+                self._handle(*self.input_queue.get(timeout=_POLL_MS / 1000))
+                break
+            except queue.Empty:
+                continue
+        while True:
+            try:
+                self._handle(*self.input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+        if req_type == EngineCoreRequestType.ADD:
+            self.engine.add_request(payload)
+        elif req_type == EngineCoreRequestType.ABORT:
+            self.engine.abort_requests(payload)
+        else:
+            call_id, method, args = payload
+            try:
+                result = getattr(self.engine, method)(*args)
+                out = UtilityOutput(call_id, None, result)
+            except Exception as e:  # reported to the caller, not fatal
+                out = UtilityOutput(call_id, f"{type(e).__name__}: {e}", None)
+            self.output_queue.put(EngineCoreOutputs(engine_index=self.rank, utility_output=out))
+
+    def _apply_pending_aborts(self) -> None:
+        """Called by EngineCore.step between the forward and the update, so a request
+        aborted while the forward ran emits nothing more."""
+        while True:
+            try:
+                self.engine.abort_requests(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def send_dead(self) -> None:
+        self.output_queue.put(ENGINE_CORE_DEAD)
+        self._threads[1].join(timeout=5)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: get SIGKILL when the parent dies, even if the watcher thread is stuck."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _send_startup_failure(input_address: str, rank: int, message: str) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, rank.to_bytes(2, "little"))
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(input_address)
+    sock.send_multipart([HANDSHAKE_FAILED, message.encode()])
+    sock.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--input-address", required=True)
+    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args()
+
+    _set_parent_death_signal()
+    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    proc: EngineCoreProc | None = None
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if proc is None:
+            raise SystemExit(0)
+        proc.shutdown_requested = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    config = pickle.loads(sys.stdin.buffer.read())  # process bootstrap only, never the wire
+    try:
+        engine = EngineCore(config.with_data_parallel_rank(args.rank))
+    except Exception as e:
+        logger.error("Engine core %d failed to start:\n%s", args.rank, traceback.format_exc())
+        _send_startup_failure(args.input_address, args.rank, f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    proc = EngineCoreProc(engine, args.input_address, args.output_address, args.rank)
+    try:
+        proc.run_busy_loop()
+    except Exception:
+        logger.error("Engine core %d died:\n%s", args.rank, traceback.format_exc())
+        proc.send_dead()
+        sys.exit(1)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

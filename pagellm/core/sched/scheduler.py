@@ -1,0 +1,440 @@
+"""Scheduler: decides, each step, which requests run how many tokens under one token budget.
+
+In: requests (add / abort) and the runner's sampled tokens. Out: a SchedulerOutput per
+step and EngineCoreOutputs per client. Knows no tensors, no sockets, no tokenizer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagellm.core.kv_cache.kv_cache_manager import KVCacheManager
+from pagellm.core.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    LogprobsLists,
+    SchedulerStats,
+)
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagellm.core.sched.request_queue import create_request_queue
+
+if TYPE_CHECKING:
+    from pagellm.config import CacheConfig, SchedulerConfig
+
+
+@dataclass
+class _StepPlan:
+    """What the current schedule() call has decided so far."""
+
+    token_budget: int
+    # req_id -> tokens to run this step, for every scheduled request.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Scheduled from `running` (the runner holds their rows) and their new block ids.
+    running_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Admitted from `waiting` this step (first time, or resumed after preemption).
+    new_reqs: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        log_stats: bool = True,
+    ) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.log_stats = log_stats
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.policy
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_gpu_blocks,
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
+
+        # Every unfinished request is in `requests` and in exactly one of `waiting`
+        # (WAITING / PREEMPTED, holding no blocks) or `running` (RUNNING, holding blocks).
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the runner drops their rows.
+        self.finished_req_ids: set[str] = set()
+        # Finished or aborted since the last update_from_output(), by client (DP balancer).
+        self._finished_by_client: dict[int, set[str]] = defaultdict(set)
+        # Rejected at add_request (prompt longer than max_model_len); reported next update.
+        self._rejected: list[Request] = []
+        self._num_preemptions_since_stats = 0
+        self.num_preemptions_total = 0
+
+    # -- requests in and out -----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.num_tokens > self.max_model_len:
+            # The KV of such a prompt cannot be held; finish it without running it.
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self._rejected.append(request)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+        self._record_event(request, EngineCoreEventType.QUEUED)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finishes requests from outside the step (aborts). Unknown ids are ignored; the
+        requests emit nothing more, even if a step that includes them is in flight."""
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        from_running: set[str] = set()
+        from_waiting: list[Request] = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                from_running.add(req_id)
+            else:
+                from_waiting.append(request)
+            request.status = finished_status
+            self._free_request(request)
+        if from_running:
+            self.running = [r for r in self.running if r.request_id not in from_running]
+        if from_waiting:
+            self.waiting.remove_requests(from_waiting)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        self._finished_by_client[request.client_index].add(request.request_id)
+
+    # -- schedule ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """1. running requests, preempting when blocks run out; 2. waiting requests, only
+        if nothing was preempted; 3. advance num_computed_tokens and build the output."""
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.token_budget > 0:
+            request = self.running[i]
+            # Tokens whose KV is not yet computed: the rest of the prompt (chunked
+            # prefill) or the last sampled token (decode).
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim_index = self._pick_victim_index()
+                victim = self.running.pop(victim_index)
+                self._preempt(victim, plan)
+                if victim is request:
+                    return  # it could not grow even alone; stop this phase
+                if victim_index < i:
+                    i -= 1  # a victim before us shifted our position
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            plan.running_reqs.append(request)
+            plan.new_block_ids[request.request_id] = new_block_ids
+            plan.num_scheduled_tokens[request.request_id] = num_new
+            plan.token_budget -= num_new
+            i += 1
+
+    def _pick_victim_index(self) -> int:
+        """FCFS: the newest running request. Priority: the largest (priority, arrival)."""
+        if self.policy == "priority":
+            return max(
+                range(len(self.running)),
+                key=lambda j: (self.running[j].priority, self.running[j].arrival_time),
+            )
+        return len(self.running) - 1
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Preemption by recompute: drop all KV, go back to the front of `waiting`."""
+        granted = plan.num_scheduled_tokens.pop(request.request_id, None)
+        if granted is not None:
+            # Already scheduled earlier in this step (priority policy): undo that.
+            plan.token_budget += granted
+            plan.running_reqs.remove(request)
+            del plan.new_block_ids[request.request_id]
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions_since_stats += 1
+        self.num_preemptions_total += 1
+        self._record_event(request, EngineCoreEventType.PREEMPTED)
+        self.waiting.prepend_request(request)
+        plan.preempted.append(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek_request()
+            # Waiting requests hold no blocks and have num_computed_tokens == 0, so the
+            # prefix-cache lookup always applies.
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > plan.token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # the whole prompt must run at once; wait for a later step
+                num_new = plan.token_budget
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_hit_tokens, hit_blocks
+            )
+            if new_block_ids is None:
+                break  # no preemption on behalf of waiting requests
+            self.waiting.pop_request()
+            self._admit(request, num_hit_tokens, num_new, plan)
+
+    def _admit(self, request: Request, num_hit_tokens: int, num_new: int, plan: _StepPlan) -> None:
+        self.running.append(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens  # first scheduling only
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self._record_event(request, EngineCoreEventType.SCHEDULED)
+        plan.new_reqs.append(request)
+        plan.num_scheduled_tokens[request.request_id] = num_new
+        plan.token_budget -= num_new
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs_data = [
+            NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+                num_computed_tokens=req.num_computed_tokens,
+            )
+            for req in plan.new_reqs
+        ]
+        cached = CachedRequestData()
+        for req in plan.running_reqs:
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(plan.new_block_ids[req.request_id])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        # Advance now (not on the runner's reply), so num_computed_tokens counts the KV
+        # written by the step in flight; update_from_output relies on this.
+        for req_id, num in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted},
+        )
+        self.finished_req_ids = set()
+        return output
+
+    # -- update from the runner --------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """1. append sampled tokens and check stops; 2. free finished requests;
+        3. group outputs by client, with finished ids and scheduler stats."""
+        row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step was in flight: emit nothing
+            sampled: list[int] = []
+            # num_computed_tokens was advanced at schedule time; below num_tokens means
+            # a prefill chunk that is not the last, which samples nothing.
+            if req_id in row and request.num_computed_tokens >= request.num_tokens:
+                sampled = model_runner_output.sampled_token_ids[row[req_id]]
+            new_token_ids = self._append_and_check_stop(request, sampled)
+            if request.is_finished():
+                stopped.add(req_id)
+            out = self._make_output(request, new_token_ids, model_runner_output)
+            if out is not None:
+                outputs[request.client_index].append(out)
+
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+            for req_id in stopped:
+                self._free_request(self.requests[req_id])
+        for request in self._rejected:
+            outputs[request.client_index].append(self._make_output(request, [], None))
+            self._finished_by_client[request.client_index].add(request.request_id)
+        self._rejected = []
+        return self._group_outputs(outputs)
+
+    def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
+        """Appends tokens one by one; stops at the first one that finishes the request."""
+        appended: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            appended.append(token_id)
+            if self._check_stop(request):
+                break
+        return appended
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets the finished status (and stop_reason) if the last token ends the request.
+        Stop tokens count only from min_tokens on; the length limits always apply."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.all_stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _make_output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        runner_output: ModelRunnerOutput | None,
+    ) -> EngineCoreOutput | None:
+        """The request's output for this step, or None when it has nothing to say."""
+        logprobs = prompt_logprobs = None
+        if runner_output is not None:
+            logprobs = runner_output.logprobs.get(request.request_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+        if logprobs is not None:
+            # Rows after a stop token were sampled but not kept.
+            logprobs = _slice_logprobs(logprobs, len(new_token_ids)) if new_token_ids else None
+        finished = request.is_finished()
+        if not new_token_ids and not finished and prompt_logprobs is None:
+            return None
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason,
+            events=request.take_events(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _group_outputs(
+        self, outputs: dict[int, list[EngineCoreOutput]]
+    ) -> dict[int, EngineCoreOutputs]:
+        result = {ci: EngineCoreOutputs(outputs=outs) for ci, outs in outputs.items()}
+        for ci, req_ids in self._finished_by_client.items():
+            result.setdefault(ci, EngineCoreOutputs(outputs=[])).finished_requests = sorted(req_ids)
+        self._finished_by_client.clear()
+        if self.log_stats:
+            # Stats go to one client only (the lowest index), so no counter is doubled.
+            target = min(result) if result else 0
+            result.setdefault(target, EngineCoreOutputs(outputs=[]))
+            result[target].scheduler_stats = self.make_stats()
+        return result
+
+    # -- queries and maintenance -------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """True while a step is needed: unfinished work, or finished ids and rejections
+        that the runner and the clients have not heard of yet."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids or self._rejected)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        """Current gauges, plus prefix-cache lookups and preemptions since the last call."""
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions_since_stats,
+            num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
+            num_total_blocks=self.kv_cache_manager.block_pool.num_usable_blocks,
+        )
+        self._num_preemptions_since_stats = 0
+        return stats
+
+    def _record_event(self, request: Request, event_type: EngineCoreEventType) -> None:
+        if self.log_stats:
+            request.record_event(event_type, time.monotonic())
+
+    def check_invariants(self) -> None:
+        """KV-manager invariants, plus queue membership, statuses and block coverage."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), f"running has duplicates: {running_ids}"
+        assert len(set(waiting_ids)) == len(waiting_ids), f"waiting has duplicates: {waiting_ids}"
+        assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), (
+            "requests must be exactly running + waiting"
+        )
+        assert len(self.running) <= self.max_num_seqs, f"{len(self.running)} > max_num_seqs"
+        assert set(kv.req_to_blocks) <= set(running_ids), "a non-running request holds blocks"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, r
+            assert r.num_computed_tokens <= r.num_tokens <= self.max_model_len, r
+            # Blocks cover every token whose KV is computed or being computed.
+            num_blocks = len(kv.req_to_blocks.get(r.request_id, []))
+            assert num_blocks * self.block_size >= r.num_computed_tokens, (
+                f"{r} holds {num_blocks} blocks"
+            )
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0, r
+
+
+def _slice_logprobs(logprobs: LogprobsLists, n: int) -> LogprobsLists:
+    return LogprobsLists(
+        logprob_token_ids=logprobs.logprob_token_ids[:n],
+        logprobs=logprobs.logprobs[:n],
+        ranks=logprobs.ranks[:n],
+    )

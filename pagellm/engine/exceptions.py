@@ -1,0 +1,24 @@
+"""Errors the frontend raises to callers of LLM / AsyncLLM when the engine fails.
+
+EngineDeadError: the engine-core process died and the engine cannot recover.
+EngineGenerateError: one generate() call failed; the engine itself is still fine.
+"""
+
+from __future__ import annotations
+
+
+class EngineGenerateError(Exception):
+    """A single request failed (bad input, or an error while it was being processed)."""
+
+
+class EngineDeadError(Exception):
+    """The engine core is gone; every in-flight and future request fails with this."""
+
+    CLIENT_MESSAGE = "The engine stopped unexpectedly; the server must be restarted."
+
+    def __init__(self, *args: object, suppress_context: bool = False) -> None:
+        if not args:
+            args = ("EngineCore encountered an issue. See stack trace (above) for the root cause.",)
+        super().__init__(*args)
+        # Hide the chained ZMQ/IPC exception: it says nothing the message does not.
+        self.__suppress_context__ = suppress_context

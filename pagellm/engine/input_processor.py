@@ -1,0 +1,117 @@
+"""InputProcessor: a user prompt + SamplingParams -> a validated EngineCoreRequest.
+
+Tokenizes text prompts, accepts token-id prompts, fills max_tokens and the stop ids the
+engine core needs, and rejects what cannot run (a prompt longer than the context is an
+error, never a silent truncation). Text work stays here, in the frontend.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagellm.config import ModelConfig
+from pagellm.core.protocol import EngineCoreRequest
+from pagellm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_id = _eos_token_id(model_config, tokenizer)
+        # generation_config.json may list extra EOS ids that also stop generation.
+        gen_eos = model_config.generation_config.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        self.extra_stop_ids = [t for t in gen_eos if t != self.eos_token_id]
+
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integers.")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], add_special_tokens=add_special_tokens)
+            raise ValueError("A prompt dict needs a 'prompt' (str) or 'prompt_token_ids' (list of int) key.")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: expected str, a token-id list or a dict.")
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        data_parallel_rank: int | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt, add_special_tokens)
+        self._validate_prompt(prompt_ids)
+        params = self._complete_params(params, len(prompt_ids))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            data_parallel_rank=data_parallel_rank,
+        )
+        return request, prompt_text
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} in the prompt is out of vocabulary range [0, {self.vocab_size}).")
+        max_len = self.model_config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"The prompt (length {len(prompt_ids)}) is longer than the maximum model length "
+                f"of {max_len}; it must be shorter so at least one token can be generated."
+            )
+
+    def _complete_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        params = params.clone()
+        params.verify_token_ids(self.vocab_size)
+        room = self.model_config.max_model_len - prompt_len
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > params.max_tokens:
+            params.min_tokens = params.max_tokens
+        params.eos_token_id = self.eos_token_id
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.extra_stop_ids if t not in stop_ids]
+        params.all_stop_token_ids = stop_ids
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word is banned with and without a leading space."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+
+def _eos_token_id(model_config: ModelConfig, tokenizer: Any) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos

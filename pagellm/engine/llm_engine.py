@@ -1,0 +1,114 @@
+"""LLMEngine: the synchronous engine behind `LLM` (add_request / step loop).
+
+Frontend only: tokenizes through the InputProcessor, sends EngineCoreRequests through an
+EngineCoreClient (in-process or a separate process) and turns EngineCoreOutputs into
+RequestOutputs with the OutputProcessor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from pagellm import envs
+from pagellm.config import EngineConfig
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_client import EngineCoreClient
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor, ParentRequest
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+
+def load_frontend(config: EngineConfig) -> tuple[Any, InputProcessor]:
+    from pagellm.model_executor.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model_config.model_path, config.model_config.tokenizer)
+    return tokenizer, InputProcessor(config.model_config, tokenizer)
+
+
+def apply_ready_response(config: EngineConfig, client: EngineCoreClient) -> EngineConfig:
+    """Writes what the engine core measured (KV blocks) back into the frontend's config."""
+    ready = client.ready
+    return dataclasses.replace(
+        config,
+        cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=ready.num_gpu_blocks),
+    )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess_mode: bool | None = None, log_stats: bool = False):
+        if multiprocess_mode is None:
+            multiprocess_mode = envs.PAGELLM_ENABLE_MULTIPROCESSING
+        self.tokenizer, self.input_processor = load_frontend(config)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, config)
+        self.config = apply_ready_response(config, self.engine_core)
+        self.model_config = self.config.model_config
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), multiprocess_mode)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+    ) -> None:
+        request, prompt_text = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time or time.time(), priority, add_special_tokens
+        )
+        n = request.sampling_params.n
+        if n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
+            child = _with(request, child_id, child_params)
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        internal = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(internal)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _with(request: Any, request_id: str, params: SamplingParams) -> Any:
+    from pagellm.core.protocol import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=params,
+        arrival_time=request.arrival_time,
+        priority=request.priority,
+        data_parallel_rank=request.data_parallel_rank,
+        client_index=request.client_index,
+    )

@@ -1,0 +1,154 @@
+"""LLM: the offline API (`LLM(model).generate(prompts, params)`, `.chat(messages)`).
+
+A thin shell over LLMEngine: adds every prompt as a FINAL_ONLY request, steps the engine
+until all finish (with a tqdm progress bar) and returns results in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.chat_utils import apply_chat_template
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        kwargs.setdefault("disable_log_stats", True)
+        multiprocess_mode = kwargs.pop("multiprocess_mode", None)
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        if engine_args.data_parallel_size > 1:
+            raise ValueError(
+                "LLM(data_parallel_size>1) is not supported: for offline data parallelism run one "
+                "process per rank, each with its own LLM(...) over its share of the prompts, or "
+                "use `pagellm serve --data-parallel-size N` for online serving."
+            )
+        self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess_mode)
+        self._request_counter = itertools.count()
+
+    # -- public API ----------------------------------------------------------------------
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            apply_chat_template(
+                tokenizer, conv, chat_template, add_generation_prompt, continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+            for conv in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _run(
+        self,
+        prompts: list[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        priority: list[int] | None,
+        add_special_tokens: bool,
+    ) -> list[RequestOutput]:
+        params_list = _as_params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
+        added: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0,
+                    add_special_tokens=add_special_tokens,
+                )
+                added.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(added)  # nothing half-added stays in the engine
+            raise
+        return self._run_engine(len(added), use_tqdm)
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm:
+            bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+                       postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        outputs: list[RequestOutput] = []
+        in_tokens = out_tokens = 0
+        while self.llm_engine.has_unfinished_requests():
+            for output in self.llm_engine.step():
+                if not output.finished:
+                    continue
+                outputs.append(output)
+                if bar is not None:
+                    in_tokens += len(output.prompt_token_ids or [])
+                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.postfix = (f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
+                                   f"output: {out_tokens / elapsed:.2f} toks/s")
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return sorted(outputs, key=lambda o: int(o.request_id))
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one token-id prompt
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}.")
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"Got {len(params)} sampling params for {n} prompts; they must match.")
+    return params

@@ -1,0 +1,53 @@
+"""Every PAGELLM_* environment variable, typed and documented, read in one place.
+
+Options a user sets routinely are EngineArgs fields instead; these are switches for
+process layout, debugging and tuning.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else int(value)
+
+
+def _float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else float(value)
+
+
+def __getattr__(name: str):
+    # Read lazily so tests and subprocesses see changes made after import.
+    if name in _VARS:
+        return _VARS[name]()
+    raise AttributeError(name)
+
+
+_VARS = {
+    # Run the engine core in its own process for LLM (1) or in-process (0).
+    "PAGELLM_ENABLE_MULTIPROCESSING": lambda: _bool("PAGELLM_ENABLE_MULTIPROCESSING", True),
+    # Outputs handled per chunk by AsyncLLM's output handler before yielding to the loop.
+    "PAGELLM_OUTPUT_PROC_CHUNK_SIZE": lambda: _int("PAGELLM_OUTPUT_PROC_CHUNK_SIZE", 128),
+    # Seconds the client waits for an engine core to report ready.
+    "PAGELLM_ENGINE_READY_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_READY_TIMEOUT_S", 600.0),
+    # Where converted tokenizers and other caches live.
+    "PAGELLM_CACHE_DIR": lambda: os.environ.get(
+        "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
+    ),
+    # Torch intra-op threads in the engine core (0 = torch's default).
+    "PAGELLM_NUM_THREADS": lambda: _int("PAGELLM_NUM_THREADS", 0),
+    # Logging level of the pagellm logger.
+    "PAGELLM_LOGGING_LEVEL": lambda: os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO"),
+    # Check the block pool's invariants after every scheduler step (tests, debugging).
+    "PAGELLM_CHECK_INVARIANTS": lambda: _bool("PAGELLM_CHECK_INVARIANTS", False),
+}

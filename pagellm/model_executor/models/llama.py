@@ -1,0 +1,227 @@
+"""Llama family (Llama 2/3, SmolLM, TinyLlama, Mistral): decoder-only transformer with
+RMSNorm, rotary embeddings, grouped-query attention and a SiLU-gated MLP.
+
+Input: flattened token ids and positions of one step [T]; output: hidden states [T, H].
+Qwen2 and Qwen3 reuse these modules with two switches (q/k/v bias, per-head q/k norm).
+Paged attention state comes from the forward context, never from arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.model_executor.layers.activation import get_act_and_mul
+from pagellm.model_executor.layers.attention import Attention
+from pagellm.model_executor.layers.layernorm import RMSNorm
+from pagellm.model_executor.layers.linear import MergedLinear
+from pagellm.model_executor.layers.logits import compute_logits
+from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
+
+# (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
+# projection are copied into one part of the fused weight.
+STACKED_PARAMS: list[tuple[str, str, int]] = [
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """How a family's attention block differs from Llama's."""
+
+    qkv_bias: bool
+    """Bias on the fused q/k/v projection."""
+    o_bias: bool
+    """Bias on the output projection."""
+    qk_norm: bool
+    """Per-head RMSNorm of q and k before rope (Qwen3)."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        backend: type,
+        opts: LayerOptions,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=opts.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
+        self.rotary_emb = [rotary_emb]  # a list so the shared module is not re-registered
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+            backend,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm.forward_single(q)
+            k = self.k_norm.forward_single(k)
+        q, k = self.rotary_emb[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"))
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        backend: type,
+        opts: LayerOptions,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, opts)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block. `residual` carries the un-normalised stream; each norm first
+        adds the previous sub-block's output to it (x + f(norm(x)) overall)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm.forward_single(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: type, opts: LayerOptions) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = get_rope(config, head_dim_of(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, backend, opts)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over LlamaModel. Families override `layer_options`."""
+
+    def __init__(self, config: Any, attn_backend: type) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend, self.layer_options(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return LayerOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return compute_logits(hidden, head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters.
+        Returns the names of the parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embedding
+            target = _load_one(self, params, name, tensor)
+            loaded.add(target)
+        return loaded
+
+
+def _load_one(
+    model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
+) -> str:
+    """Load one checkpoint tensor; returns the parameter name it landed in."""
+    for fused, part, shard in STACKED_PARAMS:
+        if f".{part}." not in name:
+            continue
+        target = name.replace(f".{part}.", f".{fused}.")
+        if target not in params:
+            raise KeyError(f"unexpected checkpoint tensor {name!r}")
+        module_name, param_name = target.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        assert isinstance(module, MergedLinear)
+        module.load_shard(param_name, shard, tensor)
+        return f"{target}#{shard}"
+    if name not in params:
+        raise KeyError(f"unexpected checkpoint tensor {name!r}")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return name
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral shares Llama's layout (sliding windows beyond max_model_len are moot)."""

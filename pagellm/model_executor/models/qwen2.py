@@ -1,0 +1,14 @@
+"""Qwen2 family: the Llama layout with a bias on the q/k/v projections (none on o_proj).
+Input/output as LlamaForCausalLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagellm.model_executor.models.llama import LayerOptions, LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        return LayerOptions(qkv_bias=True, o_bias=False, qk_norm=False)

@@ -1,0 +1,117 @@
+"""User-facing results: RequestOutput holding one CompletionOutput per sample (n).
+
+Built by the frontend's OutputProcessor; returned by LLM.generate and AsyncLLM.generate.
+Field names match vLLM's, so code written against vLLM reads these unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """The log probability of one token, its rank in the distribution, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={self.logprobs}, finish_reason={self.finish_reason}, "
+            f"stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of a request's life, in seconds of time.time()."""
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None  # engine-core clock: scheduled - queued
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request: its prompt and its n completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Folds a newer output of the same request into this one.
+
+        aggregate=True (DELTA outputs): text, token ids and logprobs are appended.
+        aggregate=False: a completion with the same index is replaced by the newer one.
+        Completions with an index not seen yet are appended either way.
+        """
+        self.finished |= next_output.finished
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        self.metrics = next_output.metrics or self.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        for completion in next_output.outputs:
+            i = by_index.get(completion.index)
+            if i is None:
+                by_index[completion.index] = len(self.outputs)
+                self.outputs.append(completion)
+            elif aggregate:
+                _append_completion(self.outputs[i], completion)
+            else:
+                self.outputs[i] = completion
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
+            f"finished={self.finished}, metrics={self.metrics}, "
+            f"num_cached_tokens={self.num_cached_tokens})"
+        )
+
+
+def _append_completion(into: CompletionOutput, delta: CompletionOutput) -> None:
+    into.text += delta.text
+    into.token_ids = [*into.token_ids, *delta.token_ids]
+    if delta.logprobs is not None:
+        into.logprobs = [*(into.logprobs or []), *delta.logprobs]
+    into.cumulative_logprob = delta.cumulative_logprob
+    into.finish_reason = delta.finish_reason
+    into.stop_reason = delta.stop_reason

@@ -1,0 +1,154 @@
+"""Tensor transforms the Sampler applies to a batch of logits, one concern per function.
+
+In: float32 logits [B, V] (modified in place) plus per-row parameters. Out: the same
+logits with tokens masked (-inf) or shifted. No knowledge of requests or the scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, disallowed: torch.Tensor) -> None:
+    """`disallowed` is [B, V] bool, True where a row may not pick the token."""
+    logits.masked_fill_(disallowed, _NEG_INF)
+
+
+def apply_bad_words(
+    logits: torch.Tensor,
+    bad_words: dict[int, list[list[int]]],
+    output_token_ids: list[list[int]],
+) -> None:
+    """Bans the last token of a bad word when the output already ends with the rest of it."""
+    for row, words in bad_words.items():
+        output = output_token_ids[row]
+        for word in words:
+            prefix_len = len(word) - 1
+            if prefix_len > len(output):
+                continue
+            if prefix_len == 0 or output[-prefix_len:] == word[:-1]:
+                logits[row, word[-1]] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, bias in logit_bias.items():
+        for token_id, value in bias.items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(value)
+    if not rows:
+        return
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    logits.index_put_(index, torch.tensor(values, device=device, dtype=logits.dtype), True)
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    min_tokens: dict[int, tuple[int, set[int]]],
+    output_token_ids: list[list[int]],
+) -> None:
+    """Masks EOS and stop token ids of rows that have not yet produced min_tokens tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, (min_toks, stop_ids) in min_tokens.items():
+        if len(output_token_ids[row]) < min_toks:
+            rows.extend([row] * len(stop_ids))
+            cols.extend(stop_ids)
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = _NEG_INF
+
+
+def _pad_rows(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).view(len(rows), width)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] ids padded with vocab_size -> [B, V] occurrence counts (the pad column is cut)."""
+    counts = torch.zeros(
+        token_ids.shape[0], vocab_size + 1, dtype=torch.int64, device=token_ids.device
+    )
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> None:
+    """Repetition penalty over prompt + output tokens; presence and frequency over output.
+
+    Repetition divides positive logits and multiplies negative ones (vLLM/HF semantics);
+    presence subtracts a constant once a token appeared; frequency subtracts per count.
+    """
+    vocab_size = logits.shape[1]
+    outputs = _pad_rows(output_token_ids, vocab_size, logits.device)
+    output_counts = _token_counts(outputs, vocab_size)
+    seen = output_counts > 0
+    if prompt_token_ids is not None:
+        seen_in_prompt = _token_counts(prompt_token_ids.to(logits.device), vocab_size) > 0
+        seen_any = seen | seen_in_prompt
+    else:
+        seen_any = seen
+    rep = repetition_penalties.to(logits.device).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen_any, penalised, logits))
+    logits -= frequency_penalties.to(logits.device).unsqueeze(1) * output_counts
+    logits -= presence_penalties.to(logits.device).unsqueeze(1) * seen
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drops tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    top_prob = probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < min_p.unsqueeze(1) * top_prob, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Returns logits with everything outside the top-k and the top-p nucleus at -inf.
+
+    One ascending sort per row serves both: after it, the k best tokens are the last k
+    columns, and the nucleus is what remains once the low tail of mass <= 1 - p is cut.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab_size, top_k).clamp(max=vocab_size)
+        kth_best = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1).to(order.device))
+        sorted_logits.masked_fill_(sorted_logits < kth_best, _NEG_INF)
+    if top_p is not None:
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        cut = cumulative <= 1 - top_p.unsqueeze(1)
+        cut[:, -1] = False  # the best token always survives
+        sorted_logits.masked_fill_(cut, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draws one token per row with the exponential race: argmax(p / q), q ~ Exp(1).
+
+    Seeded rows draw q from their own generator, so their draw depends only on their seed
+    and step count, not on which other requests share the batch.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,131 @@
+"""Sampler: turns a batch of next-token logits into sampled token ids (and logprobs).
+
+In: float32 logits [B, V] and the batch's SamplingMetadata. Out: SamplerOutput. It knows
+nothing of requests, the scheduler or text; rows are whatever order the runner chose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.core.protocol import LogprobsLists
+from pagellm.sample import ops
+from pagellm.sample.metadata import SamplingMetadata
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one token per row (sampled or prompt token) followed by the top-k."""
+
+    token_ids: torch.Tensor  # [B, 1 + k] int64: the chosen token, then the top-k
+    logprobs: torch.Tensor  # [B, 1 + k] float32, same layout
+    ranks: torch.Tensor  # [B] int64: rank of the chosen token (1 = most likely)
+
+    def tolists(self) -> LogprobsLists:
+        return LogprobsLists(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist())
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_top: int, chosen: torch.Tensor) -> LogprobsTensors:
+    """Picks the chosen token's logprob and rank plus the top `num_top` (-1 = all) per row."""
+    vocab_size = logprobs.shape[1]
+    num_top = vocab_size if num_top < 0 else min(num_top, vocab_size)
+    chosen = chosen.to(torch.int64).unsqueeze(1)
+    chosen_logprob = logprobs.gather(1, chosen)
+    # Rank = 1 + number of tokens strictly more likely than the chosen one.
+    ranks = (logprobs > chosen_logprob).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat([chosen, top_ids], dim=1),
+        logprobs=torch.cat([chosen_logprob, top_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
+    """Logprobs of prompt tokens: row i of `logits` predicts `target_ids[i]`."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return gather_logprobs(logprobs, num_top, target_ids)
+
+
+class Sampler:
+    """Fixed pipeline: masks and biases, penalties, then greedy or temperature/min-p/
+    top-k/top-p sampling. Logprobs come from the raw (unprocessed) model distribution."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # 1. Raw logprobs are taken before any processing (vLLM's "raw_logprobs").
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        # 2. Work on a private float32 copy; the caller's logits stay untouched.
+        logits = logits.to(torch.float32, copy=True)
+        self.apply_constraints(logits, metadata)
+        if not metadata.no_penalties:
+            self.apply_penalties(logits, metadata)
+        # 3. Pick tokens.
+        sampled = self.sample(logits, metadata)
+        # 4. Logprobs of the sampled token and the batch's top-k.
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs or 0, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    __call__ = forward
+
+    @staticmethod
+    def apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        """Hard constraints and biases that change which token is the argmax."""
+        if metadata.allowed_token_ids_mask is not None:
+            ops.apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
+        if metadata.bad_words_token_ids:
+            ops.apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
+        if metadata.logit_bias:
+            ops.apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.min_tokens:
+            ops.apply_min_tokens(logits, metadata.min_tokens, metadata.output_token_ids)
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+        batch_size = logits.shape[0]
+
+        def or_default(t: torch.Tensor | None, value: float) -> torch.Tensor:
+            return t if t is not None else torch.full((batch_size,), value, device=logits.device)
+
+        ops.apply_penalties(
+            logits,
+            metadata.prompt_token_ids,
+            metadata.output_token_ids,
+            presence_penalties=or_default(metadata.presence_penalties, 0.0),
+            frequency_penalties=or_default(metadata.frequency_penalties, 0.0),
+            repetition_penalties=or_default(metadata.repetition_penalties, 1.0),
+        )
+
+    @staticmethod
+    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1) if not metadata.all_random else None
+        if metadata.all_greedy or metadata.temperature is None:
+            assert greedy is not None
+            return greedy
+        temperature = metadata.temperature.to(logits.device)
+        is_greedy_row = temperature < _GREEDY_EPS
+        # Greedy rows take the argmax below; give them a harmless divisor meanwhile.
+        logits.div_(torch.where(is_greedy_row, 1.0, temperature).unsqueeze(1))
+        if metadata.min_p is not None:
+            ops.apply_min_p(logits, metadata.min_p.to(logits.device))
+        logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        sampled = ops.random_sample(probs, metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(is_greedy_row, greedy, sampled)

@@ -1,0 +1,283 @@
+"""ModelRunner: turns a SchedulerOutput into one model forward and sampled tokens.
+
+In: the scheduler's per-step diffs. Out: ModelRunnerOutput (sampled ids, logprobs).
+Owns the model, the paged KV cache tensors and the persistent InputBatch; knows no
+scheduling policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from pagellm.attention import get_attn_backend
+from pagellm.attention.backend import CommonAttentionMetadata, set_forward_context
+from pagellm.config import EngineConfig
+from pagellm.core.protocol import LogprobsLists
+from pagellm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.logger import init_logger
+from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
+from pagellm.worker.input_batch import CachedRequestState, InputBatch
+
+logger = init_logger(__name__)
+
+_CPU_KV_CAP_BYTES = 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.device = torch.device(config.device_config.device)
+        self.dtype = self.model_config.dtype
+        self.block_size = self.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.input_batch: InputBatch | None = None
+        self.model: torch.nn.Module | None = None
+        self._forward = None
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        from pagellm.model_executor.loader import get_model
+
+        start = time.perf_counter()
+        self.model = get_model(self.model_config, self.device)
+        self.model.eval()
+        self._forward = self.model.forward
+        if self.config.compilation_config.mode >= 1:
+            self._forward = torch.compile(
+                self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
+            )
+        backend = get_attn_backend("torch")
+        self.attn_builder = backend.get_builder_cls()(self.block_size, self.device)
+        logger.info(
+            "Loaded %s (%s, %s) on %s in %.2f s",
+            self.model_config.model,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - start,
+        )
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        cc = self.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cc.gpu_memory_utilization) - used
+        else:
+            budget = min(int(psutil.virtual_memory().available * cc.gpu_memory_utilization * 0.5), _CPU_KV_CAP_BYTES)
+        # More blocks than max_num_seqs full-length sequences can never be used.
+        useful = self.config.scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        num_blocks = min(budget // self.kv_bytes_per_block(), useful)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds fewer than 2 blocks of "
+                f"{self.kv_bytes_per_block()} bytes; raise kv_cache_memory_bytes."
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self.model_config
+        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # Zeroed: padded block-table entries point at real blocks, and garbage there
+        # (NaN) would leak through masked attention weights of 0.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(m.num_layers)
+        ]
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(
+            max_num_reqs=self.config.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=max_blocks,
+            vocab_size=m.vocab_size,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_bytes_per_block() / (1 << 20),
+            num_blocks * self.block_size,
+        )
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(sched)
+        attn_metadata = self.attn_builder.build(inputs.common)
+        with set_forward_context(attn_metadata, self.kv_caches):
+            hidden = self._forward(inputs.input_ids, inputs.positions)
+        return self._sample_and_collect(sched, inputs, hidden)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        batch = self.input_batch
+        assert batch is not None
+        for req_id in sched.finished_req_ids:
+            batch.remove_request(req_id)
+        for req_id in sched.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in sched.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # resumed after preemption: start afresh
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=generator,
+                output_token_ids=list(new.output_token_ids),
+            )
+            batch.add_request(state, new.block_ids, new.num_computed_tokens)
+        cached = sched.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            batch.append_blocks(req_id, block_ids)
+            batch.num_computed_tokens[batch.req_id_to_index[req_id]] = num_computed
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        """Flattens the scheduled requests (in row order) into one token batch.
+
+        For request r with c computed tokens and q scheduled ones, its tokens are
+        positions c .. c+q-1; the token at position p lives in KV slot
+            block_table[r, p // block_size] * block_size + p % block_size.
+        """
+        batch = self.input_batch
+        assert batch is not None
+        rows = np.array(sorted(batch.req_id_to_index[r] for r in sched.num_scheduled_tokens), dtype=np.int64)
+        num_sched = np.array([sched.num_scheduled_tokens[batch.req_ids[r]] for r in rows], dtype=np.int64)
+        computed = batch.num_computed_tokens[rows]
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        total = int(cu[-1])
+
+        # Per token: its request's index in this batch and its position.
+        req_idx = np.repeat(np.arange(len(rows)), num_sched)
+        positions = computed[req_idx] + (np.arange(total) - cu[req_idx])
+        token_rows = rows[req_idx]
+        input_ids = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+
+        seq_lens = computed + num_sched
+        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        # A request samples only once its scheduled tokens reach the end of what it has
+        # (mid-prompt chunks do not).
+        sample_mask = seq_lens >= batch.num_tokens[rows]
+        dev = self.device
+        common = CommonAttentionMetadata(
+            num_reqs=len(rows),
+            num_actual_tokens=total,
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_table=torch.from_numpy(batch.block_table[rows, :max_blocks]).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        for r, n in zip(rows, num_sched):
+            batch.num_computed_tokens[r] += n
+        return _StepInputs(
+            rows=rows,
+            num_sched=num_sched,
+            cu=cu,
+            positions_np=positions,
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            common=common,
+            sample_mask=sample_mask,
+        )
+
+    def _sample_and_collect(self, sched: SchedulerOutput, inputs: _StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        batch = self.input_batch
+        assert batch is not None
+        req_ids = [batch.req_ids[r] for r in inputs.rows]
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)  # type: ignore[arg-type]
+
+        self._collect_prompt_logprobs(inputs, hidden, req_ids, out)
+        due = np.nonzero(inputs.sample_mask)[0]
+        if len(due) == 0:
+            return out
+        due_rows = inputs.rows[due]
+        last_token_idx = torch.from_numpy(inputs.cu[due + 1] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last_token_idx])
+        metadata = batch.make_sampling_metadata(due_rows, self.device)
+        result = self.sampler.forward(logits, metadata)
+        token_ids = result.sampled_token_ids.tolist()
+        lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
+        for j, (i, row, tok) in enumerate(zip(due, due_rows, token_ids)):
+            sampled[i] = [tok]
+            batch.append_token(row, tok)
+            k = batch.num_logprobs[row]
+            if lp_lists is not None and k > -2:
+                n = lp_lists.logprob_token_ids[j].__len__() if k == -1 else 1 + k
+                out.logprobs[req_ids[i]] = LogprobsLists(
+                    [lp_lists.logprob_token_ids[j][:n]], [lp_lists.logprobs[j][:n]], [lp_lists.ranks[j]]
+                )
+        return out
+
+    def _collect_prompt_logprobs(self, inputs: _StepInputs, hidden: torch.Tensor, req_ids: list, out: ModelRunnerOutput) -> None:
+        """Logprobs of prompt tokens for requests that asked: the hidden state at
+        position p scores prompt token p + 1, so a chunk covering [c, c+q) yields rows
+        for p in [c, min(c+q, prompt_len - 1))."""
+        batch = self.input_batch
+        assert batch is not None
+        for i, row in enumerate(inputs.rows):
+            params = batch.states[req_ids[i]].sampling_params
+            if params.prompt_logprobs is None:
+                continue
+            start = int(inputs.positions_np[inputs.cu[i]])
+            end = min(start + int(inputs.num_sched[i]), int(batch.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            first = int(inputs.cu[i])
+            h = hidden[first : first + (end - start)]
+            targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy()).to(self.device)
+            k = params.prompt_logprobs if params.prompt_logprobs >= 0 else self.model_config.vocab_size
+            logits = self.model.compute_logits(h)
+            out.prompt_logprobs[req_ids[i]] = compute_prompt_logprobs(logits, targets, k).tolists()
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    rows: np.ndarray  # input-batch rows of the scheduled requests, ascending
+    num_sched: np.ndarray  # tokens scheduled per request
+    cu: np.ndarray  # [num_reqs + 1] start offset of each request in the flat batch
+    positions_np: np.ndarray  # [T] position of each flat token
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    common: CommonAttentionMetadata
+    sample_mask: np.ndarray  # [num_reqs] True where a token is sampled this step

