@@ -21,9 +21,9 @@ from pagellm.attention.backend import CommonAttentionMetadata
 class PrefillChunk:
     """One request whose step covers more than one token.
 
-        rows (flattened batch):  token_start ........ token_end      (q_len rows)
-        positions:               ctx_len ............ seq_len - 1
-        keys attended:           0 ..................... seq_len - 1
+    rows (flattened batch):  token_start ........ token_end      (q_len rows)
+    positions:               ctx_len ............ seq_len - 1
+    keys attended:           0 ..................... seq_len - 1
     """
 
     token_start: int
@@ -58,6 +58,8 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens]
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
+    decode_only: bool = False
+    """Every row is a decode, in request order: the decode output is the whole output."""
 
 
 class TorchAttentionMetadataBuilder:
@@ -66,14 +68,17 @@ class TorchAttentionMetadataBuilder:
         self.device = device
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        qsl = common.query_start_loc_cpu
         decode_reqs = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         prefill_reqs = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        decode = self._build_decode(common, decode_reqs) if decode_reqs else None
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-            decode=self._build_decode(common, decode_reqs) if decode_reqs else None,
+            decode=decode,
             prefills=[self._build_prefill(common, i) for i in prefill_reqs],
+            # with no prompt chunks, request i's single token is row i
+            decode_only=decode is not None and not prefill_reqs,
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, reqs: list[int]) -> DecodeBatch:
@@ -129,6 +134,8 @@ class TorchAttentionImpl:
         k_cache, v_cache = kv_cache
         n = metadata.num_actual_tokens
         self._write_kv(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
+        if metadata.decode_only and metadata.decode and n == query.shape[0]:
+            return self._decode(query, k_cache, v_cache, metadata.decode)  # no scatter needed
         out = query.new_zeros(query.shape) if n < query.shape[0] else torch.empty_like(query)
         if metadata.decode is not None:
             out[metadata.decode.rows] = self._decode(query, k_cache, v_cache, metadata.decode)

@@ -281,26 +281,9 @@ class SyncMPClient(MPClient):
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
         super().__init__(config, [0], asyncio_mode=False)
-        threading.Thread(target=self._output_loop, daemon=True, name="EngineOutputs").start()
-
-    def _output_loop(self) -> None:
-        res, sock, outq, utility = self.resources, self.output_socket, self.outputs_queue, self.utility_results
-        while not res.shutdown_event.is_set():
-            try:
-                if not sock.poll(100):
-                    continue
-                frame = sock.recv(copy=False)
-            except zmq.ZMQError:
-                return
-            if bytes(frame.buffer) == ENGINE_CORE_DEAD:
-                res.engine_dead = True
-                outq.put(EngineDeadError())
-                return
-            outputs = serial.outputs_decoder.decode(frame.buffer)
-            if outputs.utility_output is not None:
-                _resolve_utility(utility, outputs.utility_output)
-            else:
-                outq.put(outputs)
+        # The thread gets locals only, so the client can still be garbage-collected.
+        args = (self.resources, self.output_socket, self.outputs_queue, self.utility_results)
+        threading.Thread(target=_sync_output_loop, args=args, daemon=True, name="EngineOutputs").start()
 
     def _on_engine_dead(self) -> None:
         self.outputs_queue.put(EngineDeadError())
@@ -331,6 +314,25 @@ class SyncMPClient(MPClient):
         with self._lock:
             self._send(0, EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return fut.result()
+
+
+def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Queue, utility: dict) -> None:
+    while not res.shutdown_event.is_set():
+        try:
+            if not sock.poll(100):
+                continue
+            frame = sock.recv(copy=False)
+        except zmq.ZMQError:
+            return
+        if bytes(frame.buffer) == ENGINE_CORE_DEAD:
+            res.engine_dead = True
+            outq.put(EngineDeadError())
+            return
+        outputs = serial.outputs_decoder.decode(frame.buffer)
+        if outputs.utility_output is not None:
+            _resolve_utility(utility, outputs.utility_output)
+        else:
+            outq.put(outputs)
 
 
 def _resolve_utility(futures: dict[int, Any], out: Any) -> None:

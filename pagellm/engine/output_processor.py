@@ -7,8 +7,9 @@ output kinds and stats. It never talks to the engine core; the caller sends the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,18 @@ class RequestOutputCollector:
         return output
 
 
+class _static_or_bound:  # noqa: N801 - used as a decorator
+    """A function of (request_id, params): plain on the class, pre-bound on an instance."""
+
+    def __init__(self, func: Callable[[str, SamplingParams], Any]) -> None:
+        self.func = func
+
+    def __get__(self, obj: ParentRequest | None, objtype: type | None = None) -> Callable[..., Any]:
+        if obj is None:
+            return self.func
+        return functools.partial(self.func, obj.request_id, obj.sampling_params)
+
+
 class ParentRequest:
     """Fans a request with n > 1 out into n child requests and their outputs back in."""
 
@@ -92,11 +105,14 @@ class ParentRequest:
     def child_id(index: int, parent_id: str) -> str:
         return f"{index}_{parent_id}"
 
-    @staticmethod
+    @_static_or_bound
     def make_child_requests(
         request_id: str, params: SamplingParams
     ) -> list[tuple[str, SamplingParams]]:
-        """Child ids and params: n=1 each; seeded requests get seed + i per child."""
+        """Child ids and params: n=1 each; seeded requests get seed + i per child.
+
+        Call as ParentRequest.make_child_requests(request_id, params), or on an instance
+        with no arguments (its own id and params)."""
         shared: SamplingParams | None = None
         children = []
         for i in range(params.n):

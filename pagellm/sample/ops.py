@@ -129,12 +129,13 @@ def apply_top_k_top_p(
     vocab_size = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
+        top_k = top_k.to(logits.device)
         k = torch.where(top_k <= 0, vocab_size, top_k).clamp(max=vocab_size)
-        kth_best = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1).to(order.device))
+        kth_best = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth_best, _NEG_INF)
     if top_p is not None:
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        cut = cumulative <= 1 - top_p.unsqueeze(1)
+        cut = cumulative <= 1 - top_p.to(logits.device).unsqueeze(1)
         cut[:, -1] = False  # the best token always survives
         sorted_logits.masked_fill_(cut, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

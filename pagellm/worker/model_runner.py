@@ -98,15 +98,20 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model_config
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        # Zeroed: padded block-table entries point at real blocks, and garbage there
-        # (NaN) would leak through masked attention weights of 0.
+        # Allocated lazily (torch.empty: no page is touched until used, so start-up does
+        # not pay for gigabytes of zeros). Attention reads padded slots under a mask, and
+        # a weight of 0 times uninitialised NaN is NaN, so every block is zeroed the first
+        # time the scheduler hands it out (see _zero_blocks); block 0 is the padding
+        # target of block tables and is zeroed now.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(m.num_layers)
         ]
+        self._block_zeroed = np.zeros(num_blocks, dtype=bool)
+        self._zero_blocks([0])
         max_blocks = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
@@ -135,9 +140,24 @@ class ModelRunner:
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
 
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = ids[~self._block_zeroed[ids]]
+        if len(ids) == 0:
+            return
+        self._block_zeroed[ids] = True
+        index = torch.from_numpy(ids).to(self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_fill_(0, index, 0.0)
+            v_cache.index_fill_(0, index, 0.0)
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.input_batch
         assert batch is not None
+        new_blocks = [b for new in sched.scheduled_new_reqs for b in new.block_ids]
+        new_blocks += [b for ids in sched.scheduled_cached_reqs.new_block_ids for b in ids]
+        if new_blocks:
+            self._zero_blocks(new_blocks)
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
         for req_id in sched.preempted_req_ids:

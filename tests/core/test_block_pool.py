@@ -234,7 +234,9 @@ def test_hashes_are_chained_and_deterministic() -> None:
     assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(None, [5, 6])
     assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
     assert hash_block_tokens(None, [1], ("salt", "a")) != hash_block_tokens(None, [1])
-    assert hash_block_tokens(None, [1], ("salt", "a")) != hash_block_tokens(None, [1], ("salt", "b"))
+    assert hash_block_tokens(None, [1], ("salt", "a")) != hash_block_tokens(
+        None, [1], ("salt", "b")
+    )
 
 
 def test_request_block_hasher_hashes_only_new_full_blocks() -> None:

@@ -28,9 +28,12 @@ from pagellm.core.sched.output import (
     SchedulerOutput,
 )
 from pagellm.core.sched.request_queue import create_request_queue
+from pagellm.logger import init_logger
 
 if TYPE_CHECKING:
     from pagellm.config import CacheConfig, SchedulerConfig
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -82,8 +85,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Finished or aborted since the last update_from_output(), by client (DP balancer).
         self._finished_by_client: dict[int, set[str]] = defaultdict(set)
-        # Rejected at add_request (prompt longer than max_model_len); reported next update.
-        self._rejected: list[Request] = []
+        # Finished without running in a step (prompt over max_model_len, or more KV than
+        # the whole pool); their outputs go out with the next update_from_output().
+        self._finished_outside_step: list[Request] = []
         self._num_preemptions_since_stats = 0
         self.num_preemptions_total = 0
 
@@ -93,7 +97,7 @@ class Scheduler:
         if request.num_tokens > self.max_model_len:
             # The KV of such a prompt cannot be held; finish it without running it.
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self._rejected.append(request)
+            self._finished_outside_step.append(request)
             return
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
@@ -153,6 +157,10 @@ class Scheduler:
                 continue
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
+                if len(self.running) == 1:  # alone and still short of blocks
+                    self.running.pop()
+                    self._finish_unservable(request)
+                    return
                 victim_index = self._pick_victim_index()
                 victim = self.running.pop(victim_index)
                 self._preempt(victim, plan)
@@ -209,9 +217,25 @@ class Scheduler:
                 request, num_new, num_hit_tokens, hit_blocks
             )
             if new_block_ids is None:
+                if not self.running:  # the whole pool is free and still too small
+                    self.waiting.pop_request()
+                    self._finish_unservable(request)
+                    continue
                 break  # no preemption on behalf of waiting requests
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens, num_new, plan)
+
+    def _finish_unservable(self, request: Request) -> None:
+        """A request that needs more KV than the whole pool would wait (or preempt
+        itself) forever; it ends as if it had reached the context limit."""
+        logger.warning(
+            "Request %s needs more KV blocks than the pool holds (%d); finishing it.",
+            request.request_id,
+            self.kv_cache_manager.block_pool.num_usable_blocks,
+        )
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self._free_request(request)
+        self._finished_outside_step.append(request)
 
     def _admit(self, request: Request, num_hit_tokens: int, num_new: int, plan: _StepPlan) -> None:
         self.running.append(request)
@@ -286,10 +310,12 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in stopped]
             for req_id in stopped:
                 self._free_request(self.requests[req_id])
-        for request in self._rejected:
-            outputs[request.client_index].append(self._make_output(request, [], None))
+        for request in self._finished_outside_step:
+            out = self._make_output(request, [], None)
+            assert out is not None  # finished requests always report
+            outputs[request.client_index].append(out)
             self._finished_by_client[request.client_index].add(request.request_id)
-        self._rejected = []
+        self._finished_outside_step = []
         return self._group_outputs(outputs)
 
     def _append_and_check_stop(self, request: Request, sampled: list[int]) -> list[int]:
@@ -374,9 +400,11 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def has_requests(self) -> bool:
-        """True while a step is needed: unfinished work, or finished ids and rejections
-        that the runner and the clients have not heard of yet."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids or self._rejected)
+        """True while a step is needed: unfinished work, or finished requests that the
+        runner or the clients have not heard of yet."""
+        return self.has_unfinished_requests() or bool(
+            self.finished_req_ids or self._finished_outside_step
+        )
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting)."""

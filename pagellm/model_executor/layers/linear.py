@@ -12,9 +12,9 @@ from torch import nn
 class MergedLinear(nn.Linear):
     """y = x @ W.T (+ b) where W stacks the shards' weights along the output rows:
 
-        rows [0, s0)            shard 0 (e.g. q_proj)
-        rows [s0, s0 + s1)      shard 1 (e.g. k_proj)
-        ...
+    rows [0, s0)            shard 0 (e.g. q_proj)
+    rows [s0, s0 + s1)      shard 1 (e.g. k_proj)
+    ...
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:

@@ -42,7 +42,7 @@ def get_rope_params(config: Any) -> RopeParams:
 
 def compute_inv_freq(rotary_dim: int, rope: RopeParams) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] in float32, scaled per rope type."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.scaling["factor"]
@@ -75,11 +75,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeParams) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, rope)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # [max_position, D]: first half cos, second half sin (each D/2 wide).
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.max_position = max_position
+        self.rope = rope
+        self.register_buffer("cos_sin_cache", self._compute_cache(), persistent=False)
+
+    def _compute_cache(self) -> torch.Tensor:
+        """[max_position, D] float32: cos of every (position, frequency) in the first
+        half, sin in the second half (each D/2 wide)."""
+        device = getattr(self, "cos_sin_cache", torch.empty(0)).device
+        inv_freq = compute_inv_freq(self.head_dim, self.rope).to(device)
+        positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def init_buffers(self) -> None:
+        """Recompute the table in place (the loader builds models on the meta device)."""
+        with torch.device(self.cos_sin_cache.device):
+            self.cos_sin_cache = self._compute_cache()
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -1,0 +1,30 @@
+"""`pagellm serve [MODEL]`: the OpenAI-compatible server (flags generated from EngineArgs)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagellm.engine.arg_utils import EngineArgs
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="Start the OpenAI-compatible HTTP server.")
+    p.add_argument("model_tag", nargs="?", default=None, help="Model to serve (default: SmolLM2-135M-Instruct).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    p.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    p.add_argument("--api-key", default=None, help="Require this key as 'Authorization: Bearer KEY'.")
+    p.add_argument("--chat-template", default=None, help="Chat template (file path or Jinja text).")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit("Give the model either positionally or with --model, not both.")
+        args.model = args.model_tag
+    return run_server(args)

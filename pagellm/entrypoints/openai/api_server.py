@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app holding one AsyncLLM.
+
+`build_app(engine, ...)` wires the routes; `run_server(args)` builds the engine from CLI
+args, runs uvicorn, logs throughput periodically and shuts the engine down on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagellm import __version__
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.chat_utils import apply_chat_template
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_engine import OpenAIError, as_openai_error, engine_dead_error
+from pagellm.logger import init_logger
+from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+
+logger = init_logger(__name__)
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.response().model_dump(), status_code=int(e.status))
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return f"Invalid JSON in the request body: {err.get('msg')}", None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param:
+        return f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param
+    return msg, None
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None, metrics: PrometheusStatLogger | None = None) -> FastAPI:
+    app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
+    completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics)
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(OpenAIError(message, param=param))
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error(exc)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(OpenAIError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED,
+                                          err_type="AuthenticationError"))
+        return await call_next(request)
+
+    async def respond(result: Any) -> Response:
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest) -> Response:
+        try:
+            return await respond(await completions.create(request))
+        except Exception as e:
+            raise as_openai_error(e) from e
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest) -> Response:
+        try:
+            return await respond(await chat.create(request))
+        except Exception as e:
+            raise as_openai_error(e) from e
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
+                 for name in served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            return _error(engine_dead_error())
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        completions.check_model(request.model)
+        tok = engine.tokenizer
+        if request.messages is not None:
+            try:
+                text = apply_chat_template(tok, request.messages, chat_template, request.add_generation_prompt)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from e
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.model_config.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        completions.check_model(request.model)
+        completions.check_token_ids(request.tokens, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
+
+    return app
+
+
+async def _log_periodically(stat_logger: LoggingStatLogger, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        stat_logger.log()
+
+
+def run_server(args: Any) -> int:
+    import uvicorn
+
+    from pagellm.engine.arg_utils import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    names = [args.served_model_name] if args.served_model_name else [config.model_config.served_model_name]
+    chat_template = _load_chat_template(args.chat_template)
+    num_engines = config.parallel_config.data_parallel_size
+    prometheus = PrometheusStatLogger(names[0], num_engines)
+    log_logger = LoggingStatLogger(num_engines)
+    loggers: list[Any] = [prometheus] + ([] if engine_args.disable_log_stats else [log_logger])
+    engine = AsyncLLM(config, log_stats=True, stat_loggers=loggers)
+    mc = engine.model_config
+    logger.info("Model %s (%s), dtype %s, max_model_len %d, %d KV blocks of %d tokens, %d engine(s)",
+                mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
+                engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
+    app = build_app(engine, names, args.api_key, chat_template, prometheus)
+
+    @app.on_event("startup")
+    async def _start_logging() -> None:
+        if not engine_args.disable_log_stats:
+            app.state.log_task = asyncio.create_task(_log_periodically(log_logger, config.observability_config.log_stats_interval))
+        logger.info("Serving %s at http://%s:%d/v1", names[0], args.host, args.port)
+
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _load_chat_template(value: str | None) -> str | None:
+    import os
+
+    if value and os.path.isfile(value):
+        with open(value) as f:
+            text = f.read()
+        try:
+            return json.loads(text) if text.lstrip().startswith('"') else text
+        except json.JSONDecodeError:
+            return text
+    return value

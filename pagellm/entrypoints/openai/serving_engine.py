@@ -1,0 +1,145 @@
+"""Shared request handling of the OpenAI endpoints: model check, prompt validation,
+errors in OpenAI's shape, merging several generate() streams, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.exceptions import EngineDeadError
+from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.outputs import RequestOutput
+
+
+class OpenAIError(Exception):
+    """An error to return to the client as OpenAI's error JSON."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None,
+                 err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or {
+            HTTPStatus.BAD_REQUEST: "BadRequestError",
+            HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+            HTTPStatus.NOT_FOUND: "NotFoundError",
+            HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+        }.get(status, "InternalServerError")
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=int(self.status)))
+
+
+def engine_dead_error() -> OpenAIError:
+    return OpenAIError(
+        "The engine is dead and cannot serve requests; the server must be restarted.",
+        HTTPStatus.SERVICE_UNAVAILABLE,
+    )
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
+                 metrics: Any = None):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self.chat_template = chat_template
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model", "NotFoundError")
+
+    def check_alive(self) -> None:
+        if self.engine.errored:
+            raise engine_dead_error()
+
+    def validate_length(self, prompt_ids: list[int], max_tokens: int | None, param: str = "max_tokens") -> int:
+        """Returns the max_tokens to use; rejects prompts that leave no room."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise OpenAIError("The prompt is empty.", param="prompt")
+        if n >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {n} input tokens. Please reduce the length of the input.",
+                param="prompt" if param == "max_tokens" else "messages",
+            )
+        if max_tokens is None:
+            return self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {n} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {n}).",
+                param=param,
+            )
+        return max_tokens
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.model_config.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise OpenAIError(f"Token id {t} is out of vocabulary range [0, {vocab}).", param=param)
+
+
+async def merge_generators(gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several generate() streams; closing this closes (and aborts) them all."""
+    if len(gens) == 1:
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, gen: AsyncGenerator) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(drain(i, g)) for i, g in enumerate(gens)]
+    remaining = len(gens)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            await g.aclose()
+
+
+def sse(payload: Any) -> str:
+    body = payload.model_dump_json(exclude_unset=False) if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def as_openai_error(e: BaseException) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return engine_dead_error()
+    if isinstance(e, (ValueError, TypeError)):
+        return OpenAIError(str(e))
+    return OpenAIError(f"Internal error: {type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)

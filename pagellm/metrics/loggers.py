@@ -1,0 +1,119 @@
+"""Stat loggers fed by AsyncLLM's output handler: Prometheus metrics and a periodic log line.
+
+Each has `record(scheduler_stats, iteration_stats, engine_index)`; the log line is printed
+every few seconds by `log()` (the server calls it from a background task).
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client as prom
+
+from pagellm.core.protocol import SchedulerStats
+from pagellm.logger import init_logger
+from pagellm.metrics.stats import IterationStats
+
+logger = init_logger(__name__)
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0]
+
+
+class PrometheusStatLogger:
+    """vLLM-named metrics (prefix `pagellm:`) in a registry of its own."""
+
+    def __init__(self, model_name: str, num_engines: int = 1):
+        self.registry = prom.CollectorRegistry()
+        labels = ["model_name", "engine"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> prom.Gauge:
+            return prom.Gauge(f"pagellm:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> prom.Counter:
+            return prom.Counter(f"pagellm:{name}", doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> prom.Histogram:
+            return prom.Histogram(f"pagellm:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.request_success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
+        self.model_name = model_name
+        for engine in range(num_engines):  # export zeros before the first request
+            self.running.labels(model_name, str(engine)).set(0)
+            self.waiting.labels(model_name, str(engine)).set(0)
+            self.kv_usage.labels(model_name, str(engine)).set(0)
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats | None, engine_index: int = 0) -> None:
+        lbl = (self.model_name, str(engine_index))
+        if sched is not None:
+            self.running.labels(*lbl).set(sched.num_running_reqs)
+            self.waiting.labels(*lbl).set(sched.num_waiting_reqs)
+            self.kv_usage.labels(*lbl).set(sched.kv_cache_usage)
+            self.prefix_queries.labels(*lbl).inc(sched.prefix_cache_queries)
+            self.prefix_hits.labels(*lbl).inc(sched.prefix_cache_hits)
+            self.preemptions.labels(*lbl).inc(sched.num_preemptions)
+        if it is None:
+            return
+        self.prompt_tokens.labels(*lbl).inc(it.num_prompt_tokens)
+        self.generation_tokens.labels(*lbl).inc(it.num_generation_tokens)
+        for v in it.time_to_first_tokens_iter:
+            self.ttft.labels(*lbl).observe(v)
+        for v in it.inter_token_latencies_iter:
+            self.itl.labels(*lbl).observe(v)
+        for fin in it.finished_requests:
+            self.e2e.labels(*lbl).observe(fin.e2e_latency)
+            self.request_success.labels(*lbl, fin.finish_reason).inc()
+
+    def record_abort(self, engine_index: int = 0) -> None:
+        self.request_success.labels(self.model_name, str(engine_index), "abort").inc()
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """Accumulates throughput and prints one line per interval."""
+
+    def __init__(self, num_engines: int = 1):
+        self.last_log = time.monotonic()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.sched: dict[int, SchedulerStats] = {}
+        self.num_engines = num_engines
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats | None, engine_index: int = 0) -> None:
+        if sched is not None:
+            self.sched[engine_index] = sched
+        if it is not None:
+            self.prompt_tokens += it.num_prompt_tokens
+            self.generation_tokens += it.num_generation_tokens
+
+    def log(self) -> str:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log, 1e-9)
+        stats = list(self.sched.values())
+        running = sum(s.num_running_reqs for s in stats)
+        waiting = sum(s.num_waiting_reqs for s in stats)
+        usage = max((s.kv_cache_usage for s in stats), default=0.0)
+        line = (
+            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%"
+        )
+        logger.info(line)
+        self.prompt_tokens = self.generation_tokens = 0
+        self.last_log = now
+        return line

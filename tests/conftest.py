@@ -1,0 +1,34 @@
+"""Session fixtures shared by every test package: the default GGUF model's path and a
+factory of tiny random-weight HF models (see tests/utils.py). Tests never reach the hub."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from pagellm.model_executor.loader import default_model_path as find_default
+
+    try:
+        return find_default()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(
+    tmp_path_factory: pytest.TempPathFactory, default_model_path: str
+) -> Callable[..., str]:
+    """`tiny_model("llama" | "qwen2" | "qwen3", **config_overrides) -> model dir`."""
+    from tests.utils import make_tiny_model
+
+    def factory(family: str, **overrides: object) -> str:
+        return make_tiny_model(family, tmp_path_factory, **overrides)
+
+    return factory

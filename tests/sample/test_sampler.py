@@ -1,0 +1,268 @@
+"""Sampler tests on hand-made logits: each processing step changes exactly what it should.
+
+The oracle is plain torch (argmax, log_softmax) or a hand-computed distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.ops import apply_penalties, apply_top_k_top_p
+from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
+
+V = 32
+
+
+def make_metadata(batch: int, **overrides: Any) -> SamplingMetadata:
+    """All-greedy, no-penalty metadata; keyword arguments override fields."""
+    fields: dict[str, Any] = dict(
+        temperature=None,
+        all_greedy=True,
+        all_random=False,
+        top_p=None,
+        top_k=None,
+        min_p=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        presence_penalties=None,
+        frequency_penalties=None,
+        repetition_penalties=None,
+        prompt_token_ids=None,
+        output_token_ids=[[] for _ in range(batch)],
+    )
+    fields.update(overrides)
+    return SamplingMetadata(**fields)
+
+
+def random_metadata(batch: int, temperature: float = 1.0, **overrides: Any) -> SamplingMetadata:
+    return make_metadata(
+        batch,
+        temperature=torch.full((batch,), temperature),
+        all_greedy=False,
+        all_random=True,
+        **overrides,
+    )
+
+
+def logits_for(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, V, generator=torch.Generator().manual_seed(seed))
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
+    return Sampler().forward(logits, metadata).sampled_token_ids.tolist()
+
+
+def test_greedy_is_argmax_and_leaves_input_untouched() -> None:
+    logits = logits_for(4)
+    before = logits.clone()
+    out = Sampler().forward(logits, make_metadata(4))
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+    assert torch.equal(logits, before)
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = logits_for(8, seed=1)
+    metadata = random_metadata(8, top_k=torch.ones(8, dtype=torch.int64))
+    assert sample(logits, metadata) == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_rows_take_argmax() -> None:
+    logits = logits_for(4, seed=2)
+    temperature = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    metadata = make_metadata(4, temperature=temperature, all_greedy=False, all_random=False)
+    out = sample(logits, metadata)
+    assert out[0] == logits[0].argmax().item() and out[2] == logits[2].argmax().item()
+
+
+def seeded_draws(batch: int, row: int, seed: int, steps: int) -> list[int]:
+    """Draws `steps` tokens for a seeded request placed at `row` of a batch."""
+    logits = logits_for(batch, seed=3)
+    logits[row] = logits_for(1, seed=4)[0]  # the seeded request's logits, same everywhere
+    generators = {row: torch.Generator().manual_seed(seed)}
+    draws = []
+    for _ in range(steps):
+        metadata = random_metadata(batch, generators=generators)
+        draws.append(sample(logits, metadata)[row])
+    return draws
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    alone = seeded_draws(batch=1, row=0, seed=1234, steps=20)
+    assert alone == seeded_draws(batch=1, row=0, seed=1234, steps=20)
+    assert alone == seeded_draws(batch=4, row=2, seed=1234, steps=20)
+    assert len(set(alone)) > 1  # it really samples
+    assert alone != seeded_draws(batch=1, row=0, seed=99, steps=20)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
+    logits = probs.log().unsqueeze(0).repeat(4000, 1)
+    gens = {0: torch.Generator().manual_seed(0)}
+    counts = torch.bincount(torch.tensor(sample(logits, random_metadata(4000, generators=gens))))
+    freq = counts.float() / 4000
+    assert abs(freq[0] - 0.6) < 0.04 and abs(freq[1] - 0.3) < 0.04
+    assert len(counts) <= 3  # zero-probability tokens are never drawn
+
+
+HAND_PROBS = torch.tensor([0.05, 0.4, 0.1, 0.25, 0.2])  # sorted desc: 1, 3, 4, 2, 0
+
+
+def kept_tokens(logits: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(logits[0] > float("-inf")).flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [(0.3, {1}), (0.5, {1, 3}), (0.7, {1, 3, 4}), (0.9, {1, 3, 4, 2}), (1.0, {0, 1, 2, 3, 4})],
+)
+def test_top_p_keeps_the_smallest_nucleus(top_p: float, expected: set[int]) -> None:
+    logits = HAND_PROBS.log().unsqueeze(0)
+    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([top_p]))
+    assert kept_tokens(out) == expected
+    # Surviving logits are unchanged, in their original columns.
+    assert torch.equal(out[0, list(expected)], logits[0, list(expected)])
+
+
+def test_top_k_keeps_k_best_per_row() -> None:
+    logits = HAND_PROBS.log().unsqueeze(0).repeat(3, 1)
+    out = apply_top_k_top_p(logits.clone(), torch.tensor([2, 0, 4]), None)
+    assert kept_tokens(out[0:1]) == {1, 3}
+    assert kept_tokens(out[1:2]) == {0, 1, 2, 3, 4}  # 0 = off
+    assert kept_tokens(out[2:3]) == {1, 3, 4, 2}
+
+
+def test_min_p_excludes_tokens_below_threshold_through_sampler() -> None:
+    # min_p=0.45 of max 0.4 -> threshold 0.18: tokens 1 (0.4), 3 (0.25), 4 (0.2) survive.
+    logits = HAND_PROBS.log().unsqueeze(0).repeat(2000, 1)
+    metadata = random_metadata(
+        2000, min_p=torch.full((2000,), 0.45), generators={0: torch.Generator().manual_seed(1)}
+    )
+    assert set(sample(logits, metadata)) == {1, 3, 4}
+
+
+def test_top_p_through_sampler() -> None:
+    logits = HAND_PROBS.log().unsqueeze(0).repeat(2000, 1)
+    metadata = random_metadata(2000, top_p=torch.full((2000,), 0.7))
+    assert set(sample(logits, metadata)) == {1, 3, 4}
+
+
+def test_repetition_penalty_on_prompt_and_output_tokens() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0]])
+    prompt = torch.tensor([[0, 1, 6, 6]])  # padded with vocab_size = 6
+    expected = torch.tensor([[1.0, -4.0, 1.0, -4.0, 1.0, 1.0]])
+    apply_penalties(
+        logits, prompt, [[2, 3, 3]], torch.zeros(1), torch.zeros(1), torch.tensor([2.0])
+    )
+    assert torch.equal(logits, expected)
+
+
+def test_presence_and_frequency_penalties_only_count_output_tokens() -> None:
+    logits = torch.zeros(1, 6)
+    prompt = torch.tensor([[5, 5, 5]])
+    apply_penalties(
+        logits, prompt, [[1, 2, 2, 2]], torch.tensor([0.5]), torch.tensor([0.25]), torch.ones(1)
+    )
+    assert logits.tolist() == [[0.0, -0.75, -1.25, 0.0, 0.0, 0.0]]
+
+
+def test_penalties_through_sampler_flip_the_argmax() -> None:
+    logits = torch.tensor([[3.0, 2.9] + [0.0] * (V - 2)])
+    metadata = make_metadata(
+        1,
+        no_penalties=False,
+        presence_penalties=torch.tensor([1.0]),
+        frequency_penalties=torch.tensor([0.0]),
+        repetition_penalties=torch.tensor([1.0]),
+        prompt_token_ids=torch.tensor([[V]]),
+        output_token_ids=[[0]],
+    )
+    assert sample(logits, metadata) == [1]
+
+
+def test_logit_bias() -> None:
+    logits = torch.zeros(2, V)
+    metadata = make_metadata(2, logit_bias={0: {7: 5.0}, 1: {3: 1.0, 9: 2.0}})
+    assert sample(logits, metadata) == [7, 9]
+
+
+def test_allowed_token_ids_mask() -> None:
+    logits = logits_for(2, seed=5)
+    mask = torch.ones(2, V, dtype=torch.bool)
+    mask[0, [4, 5]] = False
+    mask[1, :] = False  # row 1 is unrestricted
+    out = sample(logits, make_metadata(2, allowed_token_ids_mask=mask))
+    assert out[0] == 4 + int(logits[0, 5] > logits[0, 4])
+    assert out[1] == logits[1].argmax().item()
+
+
+def test_min_tokens_blocks_eos_until_reached() -> None:
+    logits = torch.zeros(2, V)
+    logits[:, 0] = 10.0  # EOS = 0 is the favourite
+    logits[:, 3] = 5.0
+    metadata = make_metadata(
+        2,
+        output_token_ids=[[1, 2], [1, 2, 3]],
+        min_tokens={0: (3, {0}), 1: (3, {0})},  # row 1 already has 3 tokens
+    )
+    assert sample(logits, metadata) == [3, 0]
+
+
+def test_bad_words_ban_last_token_only_after_matching_prefix() -> None:
+    logits = torch.zeros(3, V)
+    logits[:, 9] = 5.0
+    logits[:, 8] = 4.0
+    bad = [[4, 5, 9]]  # banned word: 4 5 9
+    metadata = make_metadata(
+        3,
+        output_token_ids=[[1, 4, 5], [4, 6], []],
+        bad_words_token_ids={0: bad, 1: bad, 2: [[8], [9]]},
+    )
+    assert sample(logits, metadata) == [8, 9, 0]
+
+
+def test_logprobs_are_raw_topk_with_sampled_rank() -> None:
+    logits = logits_for(3, seed=6)
+    metadata = make_metadata(
+        3,
+        max_num_logprobs=4,
+        logit_bias={1: {int(logits[1].argmin()): 100.0}},  # row 1 samples its worst token
+    )
+    out = Sampler().forward(logits, metadata)
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, dim=-1)
+    sampled = out.sampled_token_ids
+    assert sampled[1].item() == logits[1].argmin().item()
+    assert out.logprobs.token_ids.shape == (3, 5)
+    assert torch.equal(out.logprobs.token_ids[:, 0], sampled)
+    top = raw.topk(4, dim=-1)
+    assert torch.equal(out.logprobs.token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(out.logprobs.logprobs[:, 1:], top.values)
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0], raw.gather(1, sampled[:, None])[:, 0])
+    assert out.logprobs.ranks.tolist() == [1, V, 1]
+    lists = out.logprobs.tolists()
+    assert lists.ranks == [1, V, 1] and len(lists.logprob_token_ids[0]) == 5
+
+
+def test_logprobs_zero_topk_returns_sampled_only() -> None:
+    out = Sampler().forward(logits_for(2), make_metadata(2, max_num_logprobs=0))
+    assert out.logprobs is not None and out.logprobs.token_ids.shape == (2, 1)
+
+
+def test_compute_prompt_logprobs() -> None:
+    logits = logits_for(5, seed=7)
+    targets = torch.tensor([3, 1, 4, 1, 5])
+    result = compute_prompt_logprobs(logits, targets, 2)
+    raw = torch.log_softmax(logits, dim=-1)
+    expected_ranks = [int((raw[i] > raw[i, t]).sum()) + 1 for i, t in enumerate(targets.tolist())]
+    assert result.ranks.tolist() == expected_ranks
+    assert result.token_ids[:, 0].tolist() == targets.tolist()
+    torch.testing.assert_close(result.logprobs[:, 0], raw[torch.arange(5), targets])
+    assert math.isclose(float(result.logprobs[0, 1]), float(raw[0].max()), rel_tol=1e-6)
