@@ -24,10 +24,10 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from pagellm.engine.arg_utils import EngineArgs
-    from pagellm.entrypoints.llm import LLM
-    from pagellm.outputs import CompletionOutput, RequestOutput
-    from pagellm.sampling_params import RequestOutputKind, SamplingParams
+    from pagellm.engine.arg_utils import EngineArgs  # noqa: F401
+    from pagellm.entrypoints.llm import LLM  # noqa: F401
+    from pagellm.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from pagellm.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -144,6 +144,10 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         internal = self.output_processor.abort_requests(ids)
+        if internal:
+            for stat_logger in self.stat_loggers:
+                if hasattr(stat_logger, "record_abort"):
+                    stat_logger.record_abort(len(ids))
         if internal and not self.engine_core.resources.engine_dead:
             await self.engine_core.abort_requests_async(internal)
 

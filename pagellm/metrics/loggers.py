@@ -77,8 +77,8 @@ class PrometheusStatLogger:
             self.e2e.labels(*lbl).observe(fin.e2e_latency)
             self.request_success.labels(*lbl, fin.finish_reason).inc()
 
-    def record_abort(self, engine_index: int = 0) -> None:
-        self.request_success.labels(self.model_name, str(engine_index), "abort").inc()
+    def record_abort(self, count: int = 1, engine_index: int = 0) -> None:
+        self.request_success.labels(self.model_name, str(engine_index), "abort").inc(count)
 
     def render(self) -> bytes:
         return prom.generate_latest(self.registry)

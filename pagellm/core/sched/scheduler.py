@@ -165,7 +165,7 @@ class Scheduler:
                 victim = self.running.pop(victim_index)
                 self._preempt(victim, plan)
                 if victim is request:
-                    return  # it could not grow even alone; stop this phase
+                    return  # it was the lowest priority itself; the rest wait
                 if victim_index < i:
                     i -= 1  # a victim before us shifted our position
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)

@@ -30,7 +30,11 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagellm.entrypoints.openai.serving_engine import OpenAIError, as_openai_error, engine_dead_error
+from pagellm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    as_openai_error,
+    engine_dead_error,
+)
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
