@@ -9,6 +9,9 @@ from collections.abc import Callable
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# libgomp threads spin while waiting; on a 2-core machine shared with other processes
+# that makes small ops 10-100x slower. Passive waiting costs nothing when idle.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

@@ -165,9 +165,11 @@ class TorchAttentionImpl:
         q = query[dec.rows]
         b = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
-        # [B, nb] block ids -> [B, nb, bs, KVH, D] -> [B, KVH, L = nb * bs, D]
-        k = k_cache[dec.block_table].view(b, -1, kvh, d).transpose(1, 2)
-        v = v_cache[dec.block_table].view(b, -1, kvh, d).transpose(1, 2)
+        # [B, nb] block ids -> [B * nb, bs, KVH, D] -> [B, KVH, L = nb * bs, D]
+        # (index_select copies whole blocks; advanced indexing is ~6x slower on CPU)
+        blocks = dec.block_table.reshape(-1)
+        k = k_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+        v = v_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
         # GQA without copying K/V: query head h = kv * group + g, so [B, H, D] is
         # [B, KVH, group, D] and each KV head serves its `group` query rows.
         q = q.view(b, kvh, self.group, d)
@@ -189,8 +191,8 @@ class TorchAttentionImpl:
             k, v = key[s:e], value[s:e]
         else:  # cached prefix + this chunk, read back from the blocks
             kvh, d = self.num_kv_heads, self.head_dim
-            k = k_cache[chunk.block_ids].view(-1, kvh, d)[: chunk.seq_len]
-            v = v_cache[chunk.block_ids].view(-1, kvh, d)[: chunk.seq_len]
+            k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[: chunk.seq_len]
+            v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[: chunk.seq_len]
         # [L, KVH, D] -> [H, L, D]: each KV head repeated for its `group` query heads.
         k = k.transpose(0, 1).repeat_interleave(self.group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(self.group, dim=0)

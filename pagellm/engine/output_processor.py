@@ -77,7 +77,7 @@ class RequestOutputCollector:
         return output
 
 
-class _static_or_bound:  # noqa: N801 - used as a decorator
+class _StaticOrBound:
     """A function of (request_id, params): plain on the class, pre-bound on an instance."""
 
     def __init__(self, func: Callable[[str, SamplingParams], Any]) -> None:
@@ -105,7 +105,7 @@ class ParentRequest:
     def child_id(index: int, parent_id: str) -> str:
         return f"{index}_{parent_id}"
 
-    @_static_or_bound
+    @_StaticOrBound
     def make_child_requests(
         request_id: str, params: SamplingParams
     ) -> list[tuple[str, SamplingParams]]:

@@ -160,3 +160,25 @@ def test_gguf_tokenizer_is_cached(
     assert first(text)["input_ids"] == second(text)["input_ids"]
     assert second.chat_template and second.chat_template == first.chat_template
     assert second.eos_token_id == 2
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_matches_gguf_reference(qtype: str) -> None:
+    """Our slab-wise dequantization equals gguf.quants.dequantize bit for bit."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from pagellm.model_executor.weight_utils import _dequantize
+
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    rows, cols = 4100, 512  # several slabs, last one partial
+    raw = np.random.default_rng(1).integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    # keep fp16/bf16 scales finite: clear the top exponent bit of every byte (values stay random)
+    raw &= 0x3F
+    if qtype == "F16":  # GGUFReader hands F16 tensors out as float16, the rest as bytes
+        raw = raw.view(np.float16)
+    ours = _dequantize(raw, t).reshape(rows, cols)
+    np.testing.assert_array_equal(
+        ours, np.asarray(dequantize(raw, t), dtype=np.float32).reshape(rows, cols)
+    )

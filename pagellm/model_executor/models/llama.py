@@ -224,4 +224,5 @@ def _load_one(
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral shares Llama's layout (sliding windows beyond max_model_len are moot)."""
+    """Mistral shares Llama's layout. Sliding-window attention is not applied, so results
+    are exact only for sequences no longer than `config.sliding_window` (when set)."""

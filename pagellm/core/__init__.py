@@ -1,0 +1,1 @@
+"""Engine-core side: protocol, engine core, scheduler, KV cache."""

@@ -1,0 +1,1 @@
+"""Statistics, Prometheus metrics and periodic log lines."""

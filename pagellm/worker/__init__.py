@@ -1,0 +1,1 @@
+"""Model runner and its persistent input batch."""
