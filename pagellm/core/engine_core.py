@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from pagellm import envs
@@ -98,8 +99,9 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
-    def get_scheduler_stats(self) -> Any:
-        return self.scheduler.make_stats()
+    def get_scheduler_stats(self) -> dict[str, Any]:
+        """A plain dict (utility results cross the wire without their struct type)."""
+        return msgspec.structs.asdict(self.scheduler.make_stats())
 
     def get_num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

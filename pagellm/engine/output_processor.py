@@ -7,9 +7,8 @@ output kinds and stats. It never talks to the engine core; the caller sends the 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,18 +76,6 @@ class RequestOutputCollector:
         return output
 
 
-class _StaticOrBound:
-    """A function of (request_id, params): plain on the class, pre-bound on an instance."""
-
-    def __init__(self, func: Callable[[str, SamplingParams], Any]) -> None:
-        self.func = func
-
-    def __get__(self, obj: ParentRequest | None, objtype: type | None = None) -> Callable[..., Any]:
-        if obj is None:
-            return self.func
-        return functools.partial(self.func, obj.request_id, obj.sampling_params)
-
-
 class ParentRequest:
     """Fans a request with n > 1 out into n child requests and their outputs back in."""
 
@@ -105,14 +92,9 @@ class ParentRequest:
     def child_id(index: int, parent_id: str) -> str:
         return f"{index}_{parent_id}"
 
-    @_StaticOrBound
-    def make_child_requests(
-        request_id: str, params: SamplingParams
-    ) -> list[tuple[str, SamplingParams]]:
-        """Child ids and params: n=1 each; seeded requests get seed + i per child.
-
-        Call as ParentRequest.make_child_requests(request_id, params), or on an instance
-        with no arguments (its own id and params)."""
+    def make_child_requests(self) -> list[tuple[str, SamplingParams]]:
+        """Child ids and params: n=1 each; seeded requests get seed + i per child."""
+        request_id, params = self.request_id, self.sampling_params
         shared: SamplingParams | None = None
         children = []
         for i in range(params.n):

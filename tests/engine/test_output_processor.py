@@ -145,11 +145,11 @@ def add_parent(
 
 
 def test_make_child_requests_ids_and_seeds() -> None:
-    children = ParentRequest.make_child_requests("req", SamplingParams(n=3, seed=10))
+    children = ParentRequest("req", SamplingParams(n=3, seed=10)).make_child_requests()
     assert [c[0] for c in children] == ["0_req", "1_req", "2_req"]
     assert [c[1].seed for c in children] == [10, 11, 12]
     assert all(c[1].n == 1 for c in children)
-    unseeded = ParentRequest.make_child_requests("req", SamplingParams(n=2))
+    unseeded = ParentRequest("req", SamplingParams(n=2)).make_child_requests()
     assert unseeded[0][1] is unseeded[1][1] and unseeded[0][1].seed is None
 
 

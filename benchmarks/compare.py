@@ -1,0 +1,577 @@
+"""pagellm next to its peers on one machine: the same model file and workloads (W: fixed
+lengths; V: varied lengths) through pagellm, HF transformers, and optionally vLLM and
+llama.cpp, each in its own subprocess (own peak memory and start-up time). Prints one
+table with the machine's measured limit; writes benchmarks/results/<timestamp>.json.
+
+    python benchmarks/compare.py                      # pagellm, pagellm-mp, hf
+    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llamacpp-venv ~/venvs/llamacpp
+    python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+SYSTEMS = ("pagellm", "pagellm-mp", "hf", "vllm", "llamacpp")
+REFERENCE = ("pagellm", "pagellm-mp")  # the ratio column divides by the first one present
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULT_PREFIX = "RESULT "
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    input_range: tuple[int, int]
+    """Prompt lengths uniform in [low, high] tokens (seeded)."""
+    output_range: tuple[int, int]
+    """Output lengths uniform in [low, high] tokens; every system generates exactly these."""
+    description: str
+
+
+WORKLOADS = {
+    "W": Workload("W", 64, (128, 128), (128, 128), "64 prompts x 128 random tokens, 128 out"),
+    "V": Workload("V", 64, (16, 512), (16, 256), "64 prompts, in U[16,512], out U[16,256]"),
+}
+QUICK_WORKLOADS = {
+    "W": Workload("W", 4, (16, 16), (8, 8), "quick: 4 prompts x 16 tokens, 8 out"),
+    "V": Workload("V", 4, (8, 32), (4, 12), "quick: 4 prompts, in U[8,32], out U[4,12]"),
+}
+
+
+@dataclass
+class Row:
+    system: str
+    workload: str
+    output_tokens_per_s: float | None = None
+    ratio_to_pagellm: float | None = None
+    peak_rss_mb: float | None = None
+    """Largest summed RSS of the system's processes (sampled every 0.1 s)."""
+    startup_s: float | None = None
+    """Process launch until the model is ready (loaded, plus one tiny warm-up request)."""
+    elapsed_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    note: str = ""
+    details: dict[str, Any] | None = None
+
+
+# -- machine ---------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_gflops(n: int, reps: int) -> float:
+    """Best float32 torch.mm rate over `reps` runs of an n x n x n product (all threads)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))
+    return 2 * n**3 / best / 1e9
+
+
+def copy_bandwidth_gbs(mib: int, reps: int) -> float:
+    """Best rate of copying a `mib` MiB float32 tensor, counting read + write bytes."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def describe_machine(quick: bool) -> dict[str, Any]:
+    import torch
+
+    return {
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "matmul_gflops_fp32": matmul_gflops(1024 if quick else 2048, 3 if quick else 5),
+        "copy_bandwidth_gbs": copy_bandwidth_gbs(64 if quick else 512, 3 if quick else 5),
+    }
+
+
+# -- model arithmetic --------------------------------------------------------------------
+
+
+def model_flops(model_path: str, workload: Workload, lens: dict[str, list[int]]) -> dict[str, Any]:
+    """FLOPs per processed token: 2 x matmul weights (q, k, v, o, gate, up, down per layer,
+    plus lm_head), plus attention 4 x layers x heads x head_dim x average context."""
+    from pagellm.model_executor.loader import load_hf_config
+
+    cfg = load_hf_config(model_path)
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 3 * h * inter
+    matmul_params = layers * per_layer + cfg.vocab_size * h
+    pairs = list(zip(lens["input"], lens["output"]))
+    avg_ctx = sum((i + o) / 2 for i, o in pairs) / len(pairs)
+    attention = 4 * layers * heads * head_dim * avg_ctx
+    return {
+        "matmul_params": matmul_params,
+        "avg_context": avg_ctx,
+        "flops_per_token": 2 * matmul_params + attention,
+    }
+
+
+# -- workloads ---------------------------------------------------------------------------
+
+
+def build_requests(model_path: str, workload: Workload, seed: int) -> dict[str, Any]:
+    """The workload, identical for every system: token-id prompts over the non-special
+    vocabulary, and (for text servers) word prompts cut to the same token counts."""
+    from pagellm.benchmarks.datasets import (
+        allowed_token_ids,
+        text_requests,
+        token_requests,
+        varied_lengths,
+    )
+    from pagellm.model_executor.loader import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    special = set(tok.all_special_ids) | set(tok.get_added_vocab().values())
+    ins, outs = varied_lengths(workload.num_prompts, *workload.input_range,
+                               *workload.output_range, seed)
+    ids = token_requests(ins, outs, allowed_token_ids(len(tok), sorted(special)), seed)
+    texts = text_requests(ins, outs, seed, tok)
+    return {
+        "input": ins,
+        "output": outs,
+        "token_ids": [r.prompt for r in ids],
+        "texts": [str(r.prompt) for r in texts],
+        "text_lens": [r.prompt_len for r in texts],
+        "eos_ids": sorted({i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None}),
+    }
+
+
+# -- workers (each runs in its own process: `compare.py --worker NAME`) -----------------
+
+
+def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    from pagellm import LLM
+    from pagellm.benchmarks.datasets import SampleRequest
+    from pagellm.benchmarks.throughput import run_requests
+    from pagellm.sampling_params import SamplingParams
+
+    llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp",
+              **json.loads(args.pagellm_kwargs))
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": req["token_ids"][0][:4]}], warm, use_tqdm=False)
+    llm.reset_prefix_cache()
+    ready = time.time()
+    samples = [SampleRequest(p, len(p), n) for p, n in zip(req["token_ids"], req["output"])]
+    result = run_requests(llm, samples)
+    llm.shutdown()
+    return {"ready_time": ready, "elapsed_s": result.elapsed_time,
+            "prompt_tokens": result.total_prompt_tokens,
+            "output_tokens": result.total_output_tokens}
+
+
+def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    """transformers `generate` as users batch it: static batches in arrival order, left
+    padding, greedy, each batch runs to its longest output (EOS suppressed). Only the
+    tokens each request asked for count as output. Tries each batch size; keeps the best."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.model.endswith(".gguf"):
+        directory, name = os.path.split(os.path.abspath(args.model))
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    pad = model.generation_config.pad_token_id
+    pad = req["eos_ids"][0] if pad is None else pad
+    with torch.inference_mode():  # warm-up, as every system gets one
+        model.generate(input_ids=torch.tensor([req["token_ids"][0][:4]]), do_sample=False,
+                       max_new_tokens=2, min_new_tokens=2, pad_token_id=pad)
+    ready = time.time()
+    trials = {}
+    for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
+        start = time.perf_counter()
+        for lo in range(0, len(req["token_ids"]), bs):
+            prompts, outs = req["token_ids"][lo:lo + bs], req["output"][lo:lo + bs]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=max(outs), min_new_tokens=max(outs),
+                                     pad_token_id=pad)
+            assert gen.shape[1] == width + max(outs), "HF generate stopped early"
+        trials[bs] = time.perf_counter() - start
+    best = min(trials, key=trials.get)
+    return {"ready_time": ready, "elapsed_s": trials[best], "prompt_tokens": sum(req["input"]),
+            "output_tokens": sum(req["output"]), "note": f"best batch size {best}",
+            "details": {"elapsed_by_batch_size": trials}}
+
+
+_VLLM_SCRIPT = """
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+from vllm import LLM, SamplingParams
+llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], seed=0, **spec["kwargs"])
+warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+llm.generate([{"prompt_token_ids": spec["token_ids"][0][:4]}], warm, use_tqdm=False)
+llm.reset_prefix_cache()
+ready = time.time()
+prompts = [{"prompt_token_ids": ids} for ids in spec["token_ids"]]
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output"]]
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+print("RESULT " + json.dumps({
+    "ready_time": ready, "elapsed_s": elapsed,
+    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+    "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}), flush=True)
+"""
+
+
+def vllm_command(args: argparse.Namespace, req: dict[str, Any], tmp: Path) -> list[str]:
+    """vLLM's offline LLM.generate on the same token ids, run by the venv's python."""
+    from pagellm.model_executor.loader import load_tokenizer
+
+    tok_dir = tmp / "tokenizer"  # vLLM gets the GGUF's tokenizer as an HF directory
+    if not tok_dir.exists():
+        load_tokenizer(args.model).save_pretrained(tok_dir)
+    spec = {"model": args.model, "tokenizer": str(tok_dir), "kwargs": json.loads(args.vllm_kwargs),
+            "token_ids": req["token_ids"], "output": req["output"]}
+    (tmp / "vllm_spec.json").write_text(json.dumps(spec))
+    (tmp / "vllm_bench.py").write_text(_VLLM_SCRIPT)
+    python = str(Path(args.vllm_venv) / "bin" / "python")
+    return [python, str(tmp / "vllm_bench.py"), str(tmp / "vllm_spec.json")]
+
+
+def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python's OpenAI server from its venv, driven by `pagellm bench serve`'s
+    client. That server decodes one request at a time, so requests go one by one; EOS is
+    suppressed through logit_bias (it has no ignore_eos)."""
+    import asyncio
+    import socket
+
+    from pagellm.benchmarks import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    python = str(Path(args.llamacpp_venv) / "bin" / "python")
+    n_ctx = max(i + o for i, o in zip(req["input"], req["output"])) + 64
+    cores = str(os.cpu_count() or 1)
+    cmd = [python, "-m", "llama_cpp.server", "--model", args.model, "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", cores,
+           "--n_threads_batch", cores, "--interrupt_requests", "False", "--verbose", "False"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    monitor = PeakRss(server.pid)
+    try:
+        wait_for_server(f"http://127.0.0.1:{port}", server, args.worker_timeout)
+        inputs = [
+            serve.RequestInput(
+                url=f"http://127.0.0.1:{port}/v1/completions", model=args.model, prompt=text,
+                prompt_len=n_in, output_len=n_out, chat=False, ignore_eos=False,
+                temperature=0.0, extra_body={"logit_bias": {str(i): -100 for i in req["eos_ids"]}},
+                headers={})
+            for text, n_in, n_out in zip(req["texts"], req["text_lens"], req["output"])
+        ]
+        warm = serve.RequestInput(**{**vars(inputs[0]), "prompt": "Hello", "output_len": 2})
+        asyncio.run(serve.run_requests([warm], float("inf"), 1.0, 1, 0, False))
+        ready = time.time()
+        results, duration = asyncio.run(serve.run_requests(inputs, float("inf"), 1.0, 1, 0, False))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        monitor.stop()
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} llama.cpp requests failed; first: {failed[0]}")
+    return {"ready_time": ready, "elapsed_s": duration,
+            "prompt_tokens": sum(r.prompt_len for r in results),
+            "output_tokens": sum(r.output_tokens for r in results),
+            "server_peak_rss_mb": monitor.peak_mb, "note": "one request at a time"}
+
+
+def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Polls GET /v1/models until it answers 200; returns the time it did."""
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.time()
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} did not start within {timeout:.0f} s")
+
+
+WORKERS = {"pagellm": worker_pagellm, "pagellm-mp": worker_pagellm, "hf": worker_hf,
+           "llamacpp": worker_llamacpp}
+
+
+def run_as_worker(args: argparse.Namespace) -> int:
+    req = json.loads(Path(args.requests_file).read_text())
+    out = WORKERS[args.worker](args, req)
+    out["self_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    return 0
+
+
+# -- orchestration -----------------------------------------------------------------------
+
+
+class PeakRss:
+    """Samples the summed RSS of a process and all its descendants on a thread."""
+
+    def __init__(self, pid: int, interval: float = 0.1):
+        self.peak_mb = 0.0
+        self._root = psutil.Process(pid)
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                procs = [self._root, *self._root.children(recursive=True)]
+                total = 0
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak_mb = max(self.peak_mb, total / 2**20)
+            except psutil.Error:
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def worker_command(args: argparse.Namespace, system: str, req_file: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system,
+           "--requests-file", str(req_file), "--model", args.model,
+           "--hf-batch-sizes", args.hf_batch_sizes, "--pagellm-kwargs", args.pagellm_kwargs,
+           "--worker-timeout", str(args.worker_timeout)]
+    if args.llamacpp_venv:
+        cmd += ["--llamacpp-venv", args.llamacpp_venv]
+    return cmd
+
+
+def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_file: Path,
+               tmp: Path) -> dict[str, Any]:
+    """Launches one system's process, watches its memory, returns its RESULT plus the
+    launch time, peak RSS and stderr tail."""
+    if system == "vllm":
+        cmd = vllm_command(args, req, tmp)
+    else:
+        cmd = worker_command(args, system, req_file)
+    log = tmp / f"{system}.log"
+    launch = time.time()
+    with open(log, "w") as err:
+        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        monitor = PeakRss(proc.pid)
+        try:
+            stdout, _ = proc.communicate(timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, _ = proc.communicate()
+        finally:
+            monitor.stop()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = log.read_text()[-1500:]
+        raise RuntimeError(f"{system} failed (exit {proc.returncode}):\n{tail}")
+    out = json.loads(lines[-1][len(RESULT_PREFIX):])
+    out["launch_time"], out["tree_peak_rss_mb"] = launch, monitor.peak_mb
+    return out
+
+
+def make_row(system: str, workload: str, out: dict[str, Any]) -> Row:
+    return Row(
+        system=system, workload=workload,
+        output_tokens_per_s=out["output_tokens"] / out["elapsed_s"],
+        peak_rss_mb=out.get("server_peak_rss_mb") or out["tree_peak_rss_mb"],
+        startup_s=out["ready_time"] - out["launch_time"],
+        elapsed_s=out["elapsed_s"], prompt_tokens=out["prompt_tokens"],
+        output_tokens=out["output_tokens"], note=out.get("note", ""), details=out.get("details"),
+    )
+
+
+def skip_reason(args: argparse.Namespace, system: str) -> str | None:
+    if system == "vllm" and not args.vllm_venv:
+        return "skipped: pass --vllm-venv PATH (a virtualenv with vllm)"
+    if system == "llamacpp" and not args.llamacpp_venv:
+        return "skipped: pass --llamacpp-venv PATH (a virtualenv with llama-cpp-python)"
+    return None
+
+
+def fill_ratios(rows: list[Row]) -> None:
+    for row in rows:
+        refs = [r for name in REFERENCE for r in rows
+                if r.system == name and r.workload == row.workload and r.output_tokens_per_s]
+        if refs and row.output_tokens_per_s:
+            row.ratio_to_pagellm = row.output_tokens_per_s / refs[0].output_tokens_per_s
+
+
+def machine_share(rows: list[Row], flops: dict[str, dict[str, Any]],
+                  machine: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """pagellm's processed tokens/s (prompt + output: each costs one forward) against the
+    compute limit: matmul FLOP/s / FLOPs per token."""
+    shares = {}
+    for row in rows:
+        if row.system not in REFERENCE or not row.elapsed_s or row.workload in shares:
+            continue
+        limit = machine["matmul_gflops_fp32"] * 1e9 / flops[row.workload]["flops_per_token"]
+        processed = (row.prompt_tokens + row.output_tokens) / row.elapsed_s
+        shares[row.workload] = {"system": row.system, "processed_tokens_per_s": processed,
+                                "machine_limit_tokens_per_s": limit, "share": processed / limit}
+    return shares
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return f"{'-':>{width}}" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row], shares: dict[str, dict[str, float]]) -> None:
+    header = f"{'system':<11} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} " \
+             f"{'peak RSS MiB':>12} {'start-up s':>10}  note"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.system:<11} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
+              f"{_fmt(r.ratio_to_pagellm, '10.2f')} {_fmt(r.peak_rss_mb, '12.0f')} "
+              f"{_fmt(r.startup_s, '10.1f')}  {r.note}")
+    for wl, s in shares.items():
+        print(f"{s['system']} on {wl}: {s['processed_tokens_per_s']:.1f} processed tok/s = "
+              f"{100 * s['share']:.1f}% of the machine limit "
+              f"({s['machine_limit_tokens_per_s']:.0f} tok/s at peak matmul FLOP/s)")
+
+
+def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    # 1. machine and model
+    machine = describe_machine(args.quick)
+    print(f"machine: {machine['cpu_model']}, {machine['logical_cores']} cores, "
+          f"{machine['ram_gib']} GiB, torch {machine['torch_version']}; "
+          f"{machine['matmul_gflops_fp32']:.1f} GFLOP/s fp32 matmul, "
+          f"{machine['copy_bandwidth_gbs']:.1f} GB/s copy", flush=True)
+    table = QUICK_WORKLOADS if args.quick else WORKLOADS
+    workloads = [table[w] for w in args.workloads.split(",")]
+    systems = args.systems.split(",")
+    rows, flops = [], {}
+    with tempfile.TemporaryDirectory(prefix="pagellm-compare-") as tmp_name:
+        tmp = Path(tmp_name)
+        for wl in workloads:
+            # 2. one request set per workload, shared by every system
+            req = build_requests(args.model, wl, args.seed)
+            req_file = tmp / f"requests-{wl.name}.json"
+            req_file.write_text(json.dumps(req))
+            flops[wl.name] = model_flops(args.model, wl, req)
+            # 3. each system in its own process
+            for system in systems:
+                reason = skip_reason(args, system)
+                if reason:
+                    rows.append(Row(system, wl.name, note=reason))
+                    continue
+                print(f"running {system} on {wl.name} ({wl.description}) ...", flush=True)
+                try:
+                    rows.append(make_row(system, wl.name, run_system(args, system, req, req_file, tmp)))
+                except Exception as e:  # one broken peer must not sink the whole table
+                    rows.append(Row(system, wl.name, note=f"failed: {str(e).strip()[-300:]}"))
+    fill_ratios(rows)
+    shares = machine_share(rows, flops, machine)
+    print_table(rows, shares)
+    return {"date": datetime.now().isoformat(timespec="seconds"), "model": args.model,
+            "quick": args.quick, "machine": machine,
+            "workloads": {w.name: asdict(w) for w in workloads}, "model_flops": flops,
+            "rows": [asdict(r) for r in rows], "machine_share": shares}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma list of {SYSTEMS}.")
+    p.add_argument("--workloads", default="W,V", help="Comma list of W, V.")
+    p.add_argument("--quick", action="store_true", help="Tiny workloads (smoke test).")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
+    p.add_argument("--vllm-kwargs", default='{"dtype": "float32"}', help="JSON kwargs of vllm.LLM.")
+    p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python.")
+    p.add_argument("--pagellm-kwargs", default="{}", help="JSON kwargs of pagellm.LLM.")
+    p.add_argument("--hf-batch-sizes", default=None, help="Comma list (default 16,64; quick 2,4).")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--worker-timeout", type=float, default=3600.0)
+    p.add_argument("--worker", choices=list(WORKERS), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--requests-file", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from pagellm.model_executor.loader import default_model_path
+
+        args.model = default_model_path()
+    if args.hf_batch_sizes is None:
+        args.hf_batch_sizes = "2,4" if args.quick else "16,64"
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_as_worker(args)
+    result = run_comparison(args)
+    out_dir = Path(args.results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""`pagellm bench throughput|latency|serve` and benchmarks/compare.py, run as a user runs
+them (subprocesses, tiny workloads): every JSON field is written, token counts are exact,
+the --input-len / --random-input-len aliases agree or fail, workloads are seeded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from pagellm.benchmarks import datasets, latency, serve, throughput
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+THROUGHPUT_FIELDS = ("elapsed_time", "num_requests", "total_num_tokens", "total_output_tokens",
+                     "total_prompt_tokens", "requests_per_second", "tokens_per_second",
+                     "output_tokens_per_second", "args")
+SERVE_FIELDS = (
+    "date", "base_url", "endpoint", "model_id", "num_prompts", "request_rate", "burstiness",
+    "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")),
+    "input_lens", "output_lens", "ttfts", "itls", "e2els", "generated_texts", "errors",
+)
+
+
+def pagellm_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagellm", *args], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _parser(add) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add(p)
+    return p
+
+
+# -- workloads and flags (no model) ----------------------------------------------------
+
+
+def test_random_lengths_follow_range_ratio_and_seed() -> None:
+    ins, outs = datasets.random_lengths(200, 100, 50, 0.2, seed=3)
+    assert all(80 <= n <= 120 for n in ins) and all(40 <= n <= 60 for n in outs)
+    assert len(set(ins)) > 10  # really varied
+    assert (ins, outs) == datasets.random_lengths(200, 100, 50, 0.2, seed=3)
+    assert datasets.random_lengths(3, 16, 8, 0.0, seed=0) == ([16] * 3, [8] * 3)
+
+
+def test_varied_lengths_stay_in_bounds() -> None:
+    ins, outs = datasets.varied_lengths(500, 16, 512, 16, 256, seed=0)
+    assert min(ins) >= 16 and max(ins) <= 512 and min(outs) >= 16 and max(outs) <= 256
+    assert max(ins) - min(ins) > 300
+
+
+def test_token_prompts_avoid_special_ids() -> None:
+    vocab = datasets.allowed_token_ids(50, special_ids=[0, 1, 2])
+    reqs = datasets.token_requests([30] * 20, [4] * 20, vocab, seed=0)
+    ids = {t for r in reqs for t in r.prompt}
+    assert ids.isdisjoint({0, 1, 2}) and max(ids) < 50
+    assert all(len(r.prompt) == r.prompt_len == 30 for r in reqs)
+
+
+def test_text_prompts_have_requested_word_count() -> None:
+    reqs = datasets.text_requests([5, 12], [3, 4], seed=0)
+    assert [len(str(r.prompt).split()) for r in reqs] == [5, 12]
+    assert [r.expected_output_len for r in reqs] == [3, 4]
+
+
+@pytest.mark.parametrize("add", [throughput.add_cli_args, serve.add_cli_args])
+def test_input_len_is_an_alias_of_random_input_len(add) -> None:
+    parser = _parser(add)
+    for argv in (["--input-len", "16"], ["--random-input-len", "16"],
+                 ["--input-len", "16", "--random-input-len", "16"]):
+        args = parser.parse_args(["--output-len", "8", *argv])
+        datasets.resolve_lengths(args)
+        assert (args.random_input_len, args.random_output_len) == (16, 8)
+    args = parser.parse_args(["--input-len", "16", "--random-input-len", "17"])
+    with pytest.raises(SystemExit, match="--random-input-len"):
+        datasets.resolve_lengths(args)
+
+
+def test_latency_flags_parse() -> None:
+    args = _parser(latency.add_cli_args).parse_args(["--batch-size", "3", "--num-iters", "2"])
+    assert (args.batch_size, args.num_iters, args.input_len) == (3, 2, 32)
+
+
+def test_cli_rejects_conflicting_lengths_before_loading() -> None:
+    res = pagellm_cli("bench", "throughput", "--num-prompts", "2", "--input-len", "16",
+                      "--random-input-len", "32", timeout=120)
+    assert res.returncode != 0
+    assert "--random-input-len (32) and --input-len (16)" in res.stderr
+
+
+# -- offline benchmarks ----------------------------------------------------------------
+
+
+def test_bench_throughput_json(tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    res = pagellm_cli("bench", "throughput", "--num-prompts", "4", "--random-input-len", "16",
+                      "--random-output-len", "8", "--output-json", str(out), "--disable-tqdm")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "output tokens/s" in res.stdout
+    data = json.loads(out.read_text())
+    assert set(THROUGHPUT_FIELDS) <= set(data)
+    assert data["num_requests"] == 4
+    assert data["total_prompt_tokens"] == 64 and data["total_output_tokens"] == 32
+    assert data["total_num_tokens"] == 96
+    assert data["output_tokens_per_second"] == pytest.approx(32 / data["elapsed_time"])
+    assert data["args"]["random_input_len"] == 16 and data["args"]["num_prompts"] == 4
+
+
+def test_bench_latency_json(tmp_path: Path) -> None:
+    out = tmp_path / "lat.json"
+    res = pagellm_cli("bench", "latency", "--batch-size", "2", "--input-len", "8",
+                      "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+                      "--output-json", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert len(data["latencies"]) == 2
+    assert set(data["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert data["avg_latency"] == pytest.approx(float(np.mean(data["latencies"])))
+
+
+# -- serving benchmark against a real `pagellm serve` -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagellm", "serve", "--port", str(port),
+                             "--max-model-len", "512"], env=ENV, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}"
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_serve_against_pagellm(server_url: str, tmp_path: Path, endpoint: str) -> None:
+    num, out_len = (4, 8) if endpoint == "/v1/completions" else (2, 4)
+    res = pagellm_cli("bench", "serve", "--base-url", server_url, "--endpoint", endpoint,
+                      "--num-prompts", str(num), "--random-input-len", "32",
+                      "--random-output-len", str(out_len), "--ignore-eos", "--request-rate", "20",
+                      "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                      "r.json", "--disable-tqdm")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Successful requests:" in res.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(SERVE_FIELDS) <= set(data)
+    assert data["completed"] == num and data["failed"] == 0
+    assert data["output_lens"] == [out_len] * num  # from the usage chunk, exact with ignore_eos
+    assert data["total_output_tokens"] == num * out_len
+    assert all(0 < t <= e for t, e in zip(data["ttfts"], data["e2els"]))
+    assert all(len(gaps) >= 1 for gaps in data["itls"])
+    if endpoint == "/v1/completions":  # word prompts: one token per word for this tokenizer
+        assert data["input_lens"] == [32] * num
+
+
+# -- compare.py -------------------------------------------------------------------------
+
+
+def test_compare_quick_writes_table(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--quick", "--systems", "pagellm,vllm",
+         "--results-dir", str(tmp_path)],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert {"cpu_model", "logical_cores", "ram_gib", "torch_version", "matmul_gflops_fp32",
+            "copy_bandwidth_gbs"} <= set(data["machine"])
+    rows = {(r["system"], r["workload"]): r for r in data["rows"]}
+    assert set(rows) == {("pagellm", "W"), ("pagellm", "V"), ("vllm", "W"), ("vllm", "V")}
+    w = rows[("pagellm", "W")]
+    assert w["output_tokens"] == 4 * 8 and w["prompt_tokens"] == 4 * 16
+    assert w["ratio_to_pagellm"] == 1.0 and w["output_tokens_per_s"] > 0
+    assert w["peak_rss_mb"] > 50 and w["startup_s"] > 0
+    assert rows[("pagellm", "V")]["output_tokens"] > 0
+    assert rows[("vllm", "W")]["note"].startswith("skipped")
+    assert 0 < data["machine_share"]["W"]["share"]
+    assert "vs pagellm" in res.stdout
