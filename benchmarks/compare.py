@@ -302,9 +302,10 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     monitor = PeakRss(server.pid)
     try:
         wait_for_server(f"http://127.0.0.1:{port}", server, args.worker_timeout)
+        model = asyncio.run(serve.fetch_model_id(f"http://127.0.0.1:{port}", {}))
         inputs = [
             serve.RequestInput(
-                url=f"http://127.0.0.1:{port}/v1/completions", model=args.model, prompt=text,
+                url=f"http://127.0.0.1:{port}/v1/completions", model=model, prompt=text,
                 prompt_len=n_in, output_len=n_out, chat=False, ignore_eos=False,
                 temperature=0.0, extra_body={"logit_bias": {str(i): -100 for i in req["eos_ids"]}},
                 headers={})

@@ -44,6 +44,8 @@ _VARS = {
     "PAGELLM_CACHE_DIR": lambda: os.environ.get(
         "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     ),
+    # Cache a GGUF file's parsed config and dequantized weights under PAGELLM_CACHE_DIR.
+    "PAGELLM_GGUF_CACHE": lambda: _bool("PAGELLM_GGUF_CACHE", True),
     # Torch intra-op threads in the engine core (0 = torch's default).
     "PAGELLM_NUM_THREADS": lambda: _int("PAGELLM_NUM_THREADS", 0),
     # Logging level of the pagellm logger.

@@ -19,7 +19,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagellm.engine.input_processor import PromptType
-from pagellm.engine.llm_engine import apply_ready_response, load_frontend
+from pagellm.engine.llm_engine import apply_ready_response, start_frontend_and_core
 from pagellm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputCollector
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
@@ -30,9 +30,11 @@ logger = init_logger(__name__)
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, log_stats: bool = True, stat_loggers: list[Any] | None = None):
-        self.tokenizer, self.input_processor = load_frontend(config)
+        self.tokenizer, self.input_processor, core = start_frontend_and_core(
+            config, lambda: EngineCoreClient.make_async_mp_client(config)
+        )
+        self.engine_core: AsyncMPClient = core  # type: ignore[assignment]
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
-        self.engine_core: AsyncMPClient = EngineCoreClient.make_async_mp_client(config)  # type: ignore[assignment]
         self.config = apply_ready_response(config, self.engine_core)
         self.model_config = self.config.model_config
         self.log_stats = log_stats

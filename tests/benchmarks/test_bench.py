@@ -89,6 +89,15 @@ def test_input_len_is_an_alias_of_random_input_len(add) -> None:
         datasets.resolve_lengths(args)
 
 
+def test_varied_dataset_flags() -> None:
+    args = _parser(throughput.add_cli_args).parse_args(
+        ["--dataset-name", "varied", "--num-prompts", "50", "--min-input-len", "4",
+         "--max-input-len", "8", "--min-output-len", "2", "--max-output-len", "3"])
+    datasets.resolve_lengths(args)
+    ins, outs = datasets.dataset_lengths(args)
+    assert len(ins) == 50 and set(ins) <= set(range(4, 9)) and set(outs) == {2, 3}
+
+
 def test_latency_flags_parse() -> None:
     args = _parser(latency.add_cli_args).parse_args(["--batch-size", "3", "--num-iters", "2"])
     assert (args.batch_size, args.num_iters, args.input_len) == (3, 2, 32)

@@ -22,6 +22,7 @@ def _free_port() -> int:
 
 class ServerProcess:
     def __init__(self, *extra: str):
+        self.api_key = API_KEY
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(self.port), "--api-key", API_KEY,

@@ -10,14 +10,12 @@ import time
 import httpx
 import psutil
 
-from .conftest import API_KEY
-
 
 def test_dead_engine_gives_503_fast(server) -> None:
     engines = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
                if "engine_core_proc" in " ".join(p.cmdline())]
     assert len(engines) == 1
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    headers = {"Authorization": f"Bearer {server.api_key}"}
     with httpx.Client(base_url=server.url, timeout=30, headers=headers) as http:
         assert http.get("/health").status_code == 200
         os.kill(engines[0].pid, signal.SIGKILL)

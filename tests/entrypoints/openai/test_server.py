@@ -11,14 +11,16 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 
-from .conftest import API_KEY
-
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three fruits."}]
 
 
+API_KEY = "sk-pagellm-test"  # the key the `server` fixture starts with
+
+
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
+    assert server.api_key == API_KEY
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
 
 
