@@ -129,16 +129,21 @@ class PagedRunner:
         backend: str = "torch",
         device: str = "cpu",
         seed: int = 0,
+        head_major: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=model_config.dtype, device=self.device),
-             torch.zeros(shape, dtype=model_config.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]  # fmt: skip
+        kvh, d = model_config.num_kv_heads, model_config.head_dim
+
+        def cache() -> torch.Tensor:
+            # Logical [num_blocks, block_size, KVH, D]; head-major storage is the engine's.
+            if head_major:
+                storage = torch.zeros(kvh, num_blocks, block_size, d, dtype=model_config.dtype)
+                return storage.permute(1, 2, 0, 3).to(self.device)
+            return torch.zeros(num_blocks, block_size, kvh, d, dtype=model_config.dtype, device=self.device)
+
+        self.kv_caches = [(cache(), cache()) for _ in range(model_config.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.builder = get_attn_backend(backend).get_builder_cls()(block_size, self.device)

@@ -50,6 +50,9 @@ class DecodeBatch:
     """Rows of the decode tokens in the flattened batch (a slice when contiguous)."""
     block_table: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, 1, num_blocks * block_size] bool
+    head_rows: torch.Tensor | None = None
+    """[KVH * B * num_blocks] rows of the head-major cache view (see _gather_decode);
+    computed by the first layer of the step and reused by the others."""
 
 
 @dataclass
@@ -153,11 +156,15 @@ class TorchAttentionImpl:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        # [num_blocks, block_size, KVH, D] viewed as [num_blocks * block_size, KVH, D]:
-        # slot = block_id * block_size + offset is then a plain row index.
-        kvh, d = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
-        v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+        # slot = block_id * block_size + offset indexes the [num_blocks * block_size]
+        # token rows of a cache.
+        nb, bs, kvh, d = k_cache.shape
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            phys = cache.permute(2, 0, 1, 3)
+            if phys.is_contiguous():  # head-major storage [KVH, nb, bs, D]
+                phys.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, new.transpose(0, 1))
+            else:  # block-major storage [nb, bs, KVH, D]
+                cache.view(-1, kvh, d).index_copy_(0, slot_mapping, new)
 
     def _decode(
         self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
@@ -165,11 +172,7 @@ class TorchAttentionImpl:
         q = query[dec.rows]
         b = q.shape[0]
         kvh, d = self.num_kv_heads, self.head_dim
-        # [B, nb] block ids -> [B * nb, bs, KVH, D] -> [B, KVH, L = nb * bs, D]
-        # (index_select copies whole blocks; advanced indexing is ~6x slower on CPU)
-        blocks = dec.block_table.reshape(-1)
-        k = k_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
-        v = v_cache.index_select(0, blocks).view(b, -1, kvh, d).transpose(1, 2)
+        k, v = _gather_decode(k_cache, dec), _gather_decode(v_cache, dec)  # [B, KVH, L, D]
         # GQA without copying K/V: query head h = kv * group + g, so [B, H, D] is
         # [B, KVH, group, D] and each KV head serves its `group` query rows.
         q = q.view(b, kvh, self.group, d)
@@ -200,6 +203,34 @@ class TorchAttentionImpl:
             q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
         )
         return o.transpose(0, 1)  # [q_len, H, D]
+
+
+def _gather_decode(cache: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
+    """Keys (or values) of every decode request, padded: [B, KVH, num_blocks * bs, D].
+
+    With head-major storage ([KVH, nb, bs, D] physically), each block of one KV head is
+    one contiguous row of bs * D values, so one index_select over rows
+        row(h, block) = h * nb + block
+    copies exactly what attention reads, and each (request, head) slab comes out
+    contiguous, the layout scaled_dot_product_attention is fastest on.
+    """
+    nb, bs, kvh, d = cache.shape
+    b, n = dec.block_table.shape
+    phys = cache.permute(2, 0, 1, 3)
+    if not phys.is_contiguous():  # block-major storage: gather blocks, then transpose
+        return cache.index_select(0, dec.block_table.reshape(-1)).view(b, n * bs, kvh, d).transpose(1, 2)
+    if dec.head_rows is None:
+        heads = torch.arange(kvh, device=cache.device)[:, None] * nb
+        dec.head_rows = (heads + dec.block_table.reshape(1, -1)).reshape(-1)
+    rows = phys.view(kvh * nb, bs * d).index_select(0, dec.head_rows)  # [KVH * B * n, bs * D]
+    return rows.view(kvh, b, n * bs, d).transpose(0, 1)
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """One request's blocks as [KVH, len(block_ids) * bs, D]."""
+    nb, bs, kvh, d = cache.shape
+    phys = cache.permute(2, 0, 1, 3)  # [KVH, nb, bs, D]
+    return phys.index_select(1, block_ids).reshape(kvh, -1, d)
 
 
 class TorchAttentionBackend:

@@ -146,8 +146,8 @@ def load_generation_config(path: str) -> dict[str, Any]:
 
 
 def _gguf_cache_dir(path: str) -> str | None:
-    if not envs.PAGELLM_GGUF_CACHE:
-        return None
+    if not envs.PAGELLM_GGUF_CACHE or not os.path.isfile(path):
+        return None  # a missing file is reported by the uncached path
     return os.path.join(envs.PAGELLM_CACHE_DIR, "gguf", _gguf_cache_key(path))
 
 

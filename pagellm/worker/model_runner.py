@@ -103,13 +103,7 @@ class ModelRunner:
         # a weight of 0 times uninitialised NaN is NaN, so every block is zeroed the first
         # time the scheduler hands it out (see _zero_blocks); block 0 is the padding
         # target of block tables and is zeroed now.
-        self.kv_caches = [
-            (
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(m.num_layers)
-        ]
+        self.kv_caches = [(self._alloc_cache(shape), self._alloc_cache(shape)) for _ in range(m.num_layers)]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
         self._zero_blocks([0])
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -139,6 +133,13 @@ class ModelRunner:
         with set_forward_context(attn_metadata, self.kv_caches):
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
+
+    def _alloc_cache(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """[num_blocks, block_size, KVH, D] logically, stored head-major ([KVH, num_blocks,
+        block_size, D]) so the attention backend gathers contiguous per-head rows."""
+        nb, bs, kvh, d = shape
+        storage = torch.empty((kvh, nb, bs, d), dtype=self.dtype, device=self.device)
+        return storage.permute(1, 2, 0, 3)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         ids = np.asarray(block_ids, dtype=np.int64)

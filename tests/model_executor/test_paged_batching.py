@@ -17,9 +17,10 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 1009 + i * 7919) % 49000 + 100 for i in range(n)]
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_mixed_batch_matches_sequences_run_alone(
-    tiny_model: Callable[..., str], family: str
+    tiny_model: Callable[..., str], family: str, head_major: bool
 ) -> None:
     mc = make_model_config(tiny_model(family))
     model = get_model(mc, torch.device("cpu"))
@@ -37,7 +38,8 @@ def test_mixed_batch_matches_sequences_run_alone(
         "C": _tokens(4, 5),  # short prompt, then decodes
         "D": _tokens(5, 20),  # longer prompt, then decodes
     }
-    runner = PagedRunner(model, mc)
+    runner = PagedRunner(model, mc, head_major=head_major)
+    assert runner.kv_caches[0][0].permute(2, 0, 1, 3).is_contiguous() == head_major
     for name in ("P", "A", "C", "D"):
         runner.add(name, seqs[name])
     steps: list[list[tuple[str, int]]] = [
