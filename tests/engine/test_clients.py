@@ -81,6 +81,20 @@ async def test_async_and_dplb_match_inproc(reference_tokens) -> None:
     assert [p for p in _engine_children() if p.pid not in before] == []
 
 
+@pytest.mark.asyncio
+async def test_external_lb_client_drives_its_one_rank(reference_tokens) -> None:
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(data_parallel_size=2, data_parallel_external_lb=True, data_parallel_rank=1)
+    )
+    try:
+        assert type(engine.engine_core).__name__ == "DPAsyncMPClient"
+        assert engine.engine_core.ranks == [1] and len(engine.engine_core.engine_pids) == 1
+        out = await _collect(engine, PROMPTS[0], GREEDY, "ext0")
+        assert out.outputs[0].token_ids == reference_tokens[0]
+    finally:
+        engine.shutdown()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
     engine = AsyncLLM.from_engine_args(EngineArgs())

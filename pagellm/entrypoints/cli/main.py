@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
-    sys.exit(args.func(args) or 0)
+    try:
+        code = args.func(args) or 0
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        # Bad options or inputs: one clear line, not a traceback.
+        print(f"pagellm {args.command}: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
 
 
 if __name__ == "__main__":
