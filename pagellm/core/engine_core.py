@@ -111,8 +111,6 @@ class EngineCore:
         return True
 
     def get_pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def shutdown(self) -> None:

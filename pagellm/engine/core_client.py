@@ -332,15 +332,28 @@ def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Q
             frame = sock.recv(copy=False)
         except zmq.ZMQError:
             return
-        if bytes(frame.buffer) == ENGINE_CORE_DEAD:
-            res.engine_dead = True
+        outputs = _decode_frame(frame, res, utility)
+        if outputs is _DEAD:
             outq.put(EngineDeadError())
             return
-        outputs = serial.outputs_decoder.decode(frame.buffer)
-        if outputs.utility_output is not None:
-            _resolve_utility(utility, outputs.utility_output)
-        else:
+        if outputs is not None:
             outq.put(outputs)
+
+
+_DEAD: Any = object()
+
+
+def _decode_frame(frame: Any, res: _BackgroundResources, utility: dict) -> Any:
+    """One output frame -> EngineCoreOutputs; _DEAD for the dead sentinel (and marks the
+    engine dead); None for a utility reply, which resolves its future here."""
+    if bytes(frame.buffer) == ENGINE_CORE_DEAD:
+        res.engine_dead = True
+        return _DEAD
+    outputs = serial.outputs_decoder.decode(frame.buffer)
+    if outputs.utility_output is not None:
+        _resolve_utility(utility, outputs.utility_output)
+        return None
+    return outputs
 
 
 def _resolve_utility(futures: dict[int, Any], out: Any) -> None:
@@ -378,13 +391,11 @@ class AsyncMPClient(MPClient):
         res, sock, outq = self.resources, self.output_socket, self.outputs_queue
         while True:
             frame = await sock.recv(copy=False)
-            if bytes(frame.buffer) == ENGINE_CORE_DEAD:
-                res.engine_dead = True
+            outputs = _decode_frame(frame, res, self.utility_results)
+            if outputs is _DEAD:
                 outq.put_nowait(EngineDeadError())
                 return
-            outputs = serial.outputs_decoder.decode(frame.buffer)
-            if outputs.utility_output is not None:
-                _resolve_utility(self.utility_results, outputs.utility_output)
+            if outputs is None:
                 continue
             self._on_outputs(outputs)
             outq.put_nowait(outputs)

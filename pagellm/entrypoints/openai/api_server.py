@@ -85,24 +85,23 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                                           err_type="AuthenticationError"))
         return await call_next(request)
 
-    async def respond(result: Any) -> Response:
+    async def respond(create: Any) -> Response:
+        """Runs a handler; a stream becomes SSE, any failure OpenAI's error JSON."""
+        try:
+            result = await create
+        except Exception as e:
+            raise as_openai_error(e) from e
         if isinstance(result, AsyncIterator):
             return StreamingResponse(result, media_type="text/event-stream")
         return JSONResponse(result.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest) -> Response:
-        try:
-            return await respond(await completions.create(request))
-        except Exception as e:
-            raise as_openai_error(e) from e
+        return await respond(completions.create(request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest) -> Response:
-        try:
-            return await respond(await chat.create(request))
-        except Exception as e:
-            raise as_openai_error(e) from e
+        return await respond(chat.create(request))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
