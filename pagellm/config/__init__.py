@@ -31,7 +31,7 @@ class ModelConfig:
     served_model_name: str
     """The name the OpenAI server reports and accepts."""
     hf_config: Any = field(compare=False, repr=False)
-    """transformers PretrainedConfig of the model (from config.json or GGUF metadata)."""
+    """ArchConfig of the model (config.json keys, from the directory or GGUF metadata)."""
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)
     """Defaults from generation_config.json (eos ids), if any."""
 

@@ -23,6 +23,7 @@ from torch import nn
 from pagellm import envs
 from pagellm.logger import init_logger
 from pagellm.model_executor import weight_utils
+from pagellm.model_executor.arch_config import ArchConfig
 from pagellm.model_executor.layers.linear import MergedLinear
 from pagellm.model_executor.registry import ModelRegistry
 
@@ -95,18 +96,21 @@ def _download_from_hub(repo_id: str) -> str:
 # --------------------------------------------------------------------------- config
 
 
-def load_hf_config(path: str) -> Any:
-    """transformers PretrainedConfig with `.architectures` set; raises for unsupported."""
-    from transformers import AutoConfig
+def load_hf_config(path: str) -> ArchConfig:
+    """The model's architecture config with `.architectures` set; raises for unsupported.
 
+    GGUF: from the (cached) metadata, without importing transformers. Directories:
+    transformers reads config.json (filling its defaults), and the result is flattened
+    into an ArchConfig so the engine process never imports transformers for it.
+    """
     if weight_utils.is_gguf(path):
         arch, model_type, kwargs = _cached_gguf_config_kwargs(path)
-        config = AutoConfig.for_model(model_type, **kwargs)
-        config.architectures = [arch]
-        return config
+        return ArchConfig({**kwargs, "model_type": model_type, "architectures": [arch]})
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path}: no config.json (not a model directory or .gguf file)")
+    from transformers import AutoConfig
+
     try:
         config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError, KeyError) as e:
@@ -117,7 +121,10 @@ def load_hf_config(path: str) -> Any:
             f"{config_file}: unsupported model architecture {archs[0] if archs else None!r}; "
             f"supported: {', '.join(ModelRegistry.get_supported_archs())}"
         )
-    return config
+    values = config.to_dict()
+    dtype = values.get("dtype") or values.get("torch_dtype")
+    values["dtype"] = str(dtype).removeprefix("torch.") if dtype else None
+    return ArchConfig(values)
 
 
 def load_generation_config(path: str) -> dict[str, Any]:
@@ -210,14 +217,20 @@ def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
     GGUF: the vocabulary is converted once by transformers (slow) and saved under
     <cache>/tokenizers/<key of path, size, mtime>/, which later loads take in ~0.5 s.
     """
-    from transformers import AutoTokenizer
-
     source = resolve_model_path(tokenizer) if tokenizer and tokenizer != path else path
     if not weight_utils.is_gguf(source):
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(source)
     cache_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "tokenizers", _gguf_cache_key(source))
     if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cache_dir)
+        # Our own cache holds a fast tokenizer: its class directly, without AutoTokenizer's
+        # config lookups (which import the model-config machinery, seconds).
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(cache_dir)
+    from transformers import AutoTokenizer
+
     directory, name = os.path.split(os.path.abspath(source))
     try:
         tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -258,11 +271,9 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
 
     path = model_config.model_path
     model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-    # 1. Build with uninitialised storage: every parameter is overwritten by the loader.
-    with _default_dtype(model_config.dtype), torch.device("meta"):
+    # 1. Build with uninitialised parameters: every one is overwritten by the loader.
+    with _default_dtype(model_config.dtype), torch.device(device), _skip_param_init():
         model = model_cls(model_config.hf_config, get_attn_backend(attn_backend))
-    model = model.to_empty(device=device)
-    _init_buffers(model)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if weight_utils.is_gguf(path):
         weights = _gguf_weights(path, model_config.hf_config)
@@ -281,12 +292,20 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
     return model.eval()
 
 
-def _init_buffers(model: nn.Module) -> None:
-    """to_empty() leaves buffers uninitialised; modules with computed buffers refill them."""
-    for module in model.modules():
-        init = getattr(module, "init_buffers", None)
-        if callable(init):
-            init()
+@contextlib.contextmanager
+def _skip_param_init() -> Iterator[None]:
+    """Linear and Embedding leave their freshly allocated weights as they are instead of
+    drawing random values (seconds for a vocabulary-sized embedding). Building on the meta
+    device would avoid the allocation too, but its first use imports torch's meta
+    kernels, which costs more than the allocation saves."""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
 def _expected_param_names(model: nn.Module) -> set[str]:

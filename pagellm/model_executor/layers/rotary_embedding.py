@@ -82,16 +82,10 @@ class RotaryEmbedding(nn.Module):
     def _compute_cache(self) -> torch.Tensor:
         """[max_position, D] float32: cos of every (position, frequency) in the first
         half, sin in the second half (each D/2 wide)."""
-        device = getattr(self, "cos_sin_cache", torch.empty(0)).device
-        inv_freq = compute_inv_freq(self.head_dim, self.rope).to(device)
-        positions = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        inv_freq = compute_inv_freq(self.head_dim, self.rope)
+        positions = torch.arange(self.max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq[None, :]
         return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-    def init_buffers(self) -> None:
-        """Recompute the table in place (the loader builds models on the meta device)."""
-        with torch.device(self.cos_sin_cache.device):
-            self.cos_sin_cache = self._compute_cache()
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
