@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from pagellm.attention import torch_backend
 from pagellm.model_executor.loader import get_model
 from tests.utils import PagedRunner, make_model_config
 
@@ -17,11 +18,19 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 1009 + i * 7919) % 49000 + 100 for i in range(n)]
 
 
+@pytest.mark.parametrize("decode_chunks", [False, True], ids=["one-decode-batch", "decode-chunks-of-1"])
 @pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_mixed_batch_matches_sequences_run_alone(
-    tiny_model: Callable[..., str], family: str, head_major: bool
+    tiny_model: Callable[..., str],
+    family: str,
+    head_major: bool,
+    decode_chunks: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if decode_chunks:  # every decoding request attended on its own
+        monkeypatch.setattr(torch_backend, "DECODE_CHUNK_BYTES", 1)
+        monkeypatch.setattr(torch_backend, "DECODE_CHUNK_MIN_REQS", 1)
     mc = make_model_config(tiny_model(family))
     model = get_model(mc, torch.device("cpu"))
 
