@@ -267,17 +267,35 @@ print("RESULT " + json.dumps({
 
 def vllm_command(args: argparse.Namespace, req: dict[str, Any], tmp: Path) -> list[str]:
     """vLLM's offline LLM.generate on the same token ids, run by the venv's python."""
-    from pagellm.model_executor.loader import load_tokenizer
-
-    tok_dir = tmp / "tokenizer"  # vLLM gets the GGUF's tokenizer as an HF directory
-    if not tok_dir.exists():
-        load_tokenizer(args.model).save_pretrained(tok_dir)
-    spec = {"model": args.model, "tokenizer": str(tok_dir), "kwargs": json.loads(args.vllm_kwargs),
+    model_dir = hf_model_dir(args.model, tmp / "hf_model")
+    spec = {"model": str(model_dir), "tokenizer": str(model_dir), "kwargs": json.loads(args.vllm_kwargs),
             "token_ids": req["token_ids"], "output": req["output"]}
     (tmp / "vllm_spec.json").write_text(json.dumps(spec))
     (tmp / "vllm_bench.py").write_text(_VLLM_SCRIPT)
     python = str(Path(args.vllm_venv) / "bin" / "python")
     return [python, str(tmp / "vllm_bench.py"), str(tmp / "vllm_spec.json")]
+
+
+def hf_model_dir(model: str, out: Path) -> Path:
+    """A .gguf's weights as a Hugging Face directory (config.json, float32
+    model.safetensors, tokenizer), which vLLM's CPU backend loads (its GGUF path does not
+    run on CPU). A directory model is used as it is."""
+    from pagellm.model_executor import loader, weight_utils
+
+    if not weight_utils.is_gguf(model) or (out / "model.safetensors").exists():
+        return Path(model) if not weight_utils.is_gguf(model) else out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = loader.load_hf_config(model).to_dict()
+    archs, model_type = config.pop("architectures"), config.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if v is not None})
+    hf_config.architectures = archs
+    hf_config.save_pretrained(out)
+    loader.load_tokenizer(model).save_pretrained(out)
+    tensors = {name: t.contiguous() for name, t in weight_utils.gguf_weights_iterator(model, hf_config)}
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
 
 
 def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
