@@ -246,22 +246,30 @@ def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
 
 _VLLM_SCRIPT = """
 import json, sys, time
-spec = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], seed=0, **spec["kwargs"])
-warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-llm.generate([{"prompt_token_ids": spec["token_ids"][0][:4]}], warm, use_tqdm=False)
-llm.reset_prefix_cache()
-ready = time.time()
-prompts = [{"prompt_token_ids": ids} for ids in spec["token_ids"]]
-params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output"]]
-start = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-print("RESULT " + json.dumps({
-    "ready_time": ready, "elapsed_s": elapsed,
-    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-    "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}), flush=True)
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=spec["model"], tokenizer=spec["tokenizer"], seed=0, **spec["kwargs"])
+    warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": spec["token_ids"][0][:4]}], warm, use_tqdm=False)
+    llm.reset_prefix_cache()
+    ready = time.time()
+    prompts = [{"prompt_token_ids": ids} for ids in spec["token_ids"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output"]]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    print("RESULT " + json.dumps({
+        "ready_time": ready, "elapsed_s": elapsed,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}), flush=True)
+
+
+# vLLM starts its engine with multiprocessing "spawn", which re-imports this script.
+if __name__ == "__main__":
+    main()
 """
 
 
