@@ -271,8 +271,10 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
 
     path = model_config.model_path
     model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
-    # 1. Build with uninitialised parameters: every one is overwritten by the loader.
-    with _default_dtype(model_config.dtype), torch.device(device), _skip_param_init():
+    # 1. Build on the device with uninitialised parameters (the layers skip random init;
+    # the meta device would save the allocation, but its first use imports torch's
+    # meta kernels, which costs more).
+    with _default_dtype(model_config.dtype), torch.device(device):
         model = model_cls(model_config.hf_config, get_attn_backend(attn_backend))
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if weight_utils.is_gguf(path):
@@ -290,22 +292,6 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
     if missing:
         raise ValueError(f"{path}: checkpoint lacks weights: {', '.join(missing[:8])}")
     return model.eval()
-
-
-@contextlib.contextmanager
-def _skip_param_init() -> Iterator[None]:
-    """Linear and Embedding leave their freshly allocated weights as they are instead of
-    drawing random values (seconds for a vocabulary-sized embedding). Building on the meta
-    device would avoid the allocation too, but its first use imports torch's meta
-    kernels, which costs more than the allocation saves."""
-    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
-    try:
-        for cls in saved:
-            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
-        yield
-    finally:
-        for cls, reset in saved.items():
-            cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
 def _expected_param_names(model: nn.Module) -> set[str]:

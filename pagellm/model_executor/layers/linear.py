@@ -30,8 +30,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from a checkpoint (the loader refuses a
+        model with parameters left unfilled)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        """No random init (seconds for a vocabulary-sized table); filled by the loader."""
 
 
 class MergedLinear(Linear):

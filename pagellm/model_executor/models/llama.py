@@ -18,7 +18,7 @@ from torch import nn
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
-from pagellm.model_executor.layers.linear import Linear, MergedLinear
+from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
 
@@ -140,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, backend: type, opts: LayerOptions) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb, backend, opts)
