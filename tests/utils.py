@@ -129,24 +129,24 @@ class PagedRunner:
         backend: str = "torch",
         device: str = "cpu",
         seed: int = 0,
-        head_major: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         kvh, d = model_config.num_kv_heads, model_config.head_dim
 
-        def cache() -> torch.Tensor:
-            # Logical [num_blocks, block_size, KVH, D]; head-major storage is the engine's.
-            if head_major:
-                storage = torch.zeros(kvh, num_blocks, block_size, d, dtype=model_config.dtype)
-                return storage.permute(1, 2, 0, 3).to(self.device)
-            return torch.zeros(num_blocks, block_size, kvh, d, dtype=model_config.dtype, device=self.device)
+        attn_backend = get_attn_backend(backend)
 
-        self.kv_caches = [(cache(), cache()) for _ in range(model_config.num_layers)]
+        def layer_cache() -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = attn_backend.allocate_kv_cache(
+                num_blocks, block_size, kvh, d, model_config.dtype, self.device
+            )
+            return k.zero_(), v.zero_()
+
+        self.kv_caches = [layer_cache() for _ in range(model_config.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
-        self.builder = get_attn_backend(backend).get_builder_cls()(block_size, self.device)
+        self.builder = attn_backend.get_builder_cls()(block_size, self.device)
         self.seqs: dict[str, _Seq] = {}
 
     def add(self, seq_id: str, token_ids: list[int]) -> None:

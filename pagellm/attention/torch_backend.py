@@ -1,10 +1,18 @@
-"""Reference paged-attention backend in plain PyTorch (the CPU default).
+"""Paged-attention backend in plain PyTorch (the CPU default).
 
 The builder turns one step's CommonAttentionMetadata into index tensors and masks once
 per step; the impl then, for every layer, writes the step's K/V into the paged cache
-through the slot mapping and attends: all single-token decodes in one padded batched
-`scaled_dot_product_attention`, each prompt chunk on its own with a causal mask that is
-offset by the request's cached prefix. Knows token/block layout, never requests.
+through the slot mapping and attends: all single-token decodes together, reading K and V
+straight out of their blocks (see `_decode`), each prompt chunk on its own with a causal
+mask that is offset by the request's cached prefix. Knows token/block layout, never
+requests.
+
+Cache storage (`allocate_kv_cache`), both exposed as logical [num_blocks, block_size,
+KVH, D] views:
+
+    K  [KVH, num_blocks, D, block_size]   a block's keys transposed: one row per (head,
+                                          block, dim), block_size wide
+    V  [KVH, num_blocks, block_size, D]   one row per (head, slot), D wide
 """
 
 from __future__ import annotations
@@ -42,21 +50,30 @@ class PrefillChunk:
 class DecodeBatch:
     """All requests with exactly one new token, attended together.
 
-    Each request's keys are gathered from its first `num_blocks` blocks into a padded
-    [num_blocks * block_size] row; `mask` hides the slots at or past its seq_len.
+    Each request attends over its first `num_blocks` blocks (those of the longest one)
+    as one padded row of num_blocks * block_size keys; `mask` hides the slots at or past
+    its seq_len.
     """
 
     rows: slice | torch.Tensor
     """Rows of the decode tokens in the flattened batch (a slice when contiguous)."""
     block_table: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, num_blocks * block_size] bool, True = real key
-    head_rows: torch.Tensor | None = None
-    """[KVH * B * num_blocks] rows of the head-major cache view (see _gather_decode);
-    computed by the first layer of the step and reused by the others."""
-    bias: torch.Tensor | None = None
-    """`mask` as an additive score bias (0 or -inf) in the model dtype; first layer."""
-    chunks: list[tuple[int, int, DecodeBatch]] | None = None
-    """(start, end, sub-batch) slices of the requests attended together; first layer."""
+    lookups: _DecodeLookups | None = None
+    """Cache row indices and score bias; made by the first layer of the step (they need
+    the cache's geometry) and reused by the others."""
+
+
+@dataclass
+class _DecodeLookups:
+    key_rows: torch.Tensor
+    """[B * H * num_blocks, D]: for query head h of request b and its j-th block, the D
+    rows (one per dim d) of the K storage viewed as [KVH * num_blocks_total * D, bs]."""
+    value_rows: torch.Tensor
+    """[B * H, num_blocks * bs]: for query head h of request b, the row of every padded
+    slot in the V storage viewed as [KVH * num_blocks_total * bs, D]."""
+    bias: torch.Tensor
+    """`mask` as an additive score bias (0 or -inf) [B, 1, L] in the model dtype."""
 
 
 @dataclass
@@ -138,145 +155,130 @@ class TorchAttentionImpl:
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
-        k_cache, v_cache = kv_cache
+        k_store, v_store = _storage(*kv_cache)
         n = metadata.num_actual_tokens
-        self._write_kv(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
+        _write_kv(key[:n], value[:n], k_store, v_store, metadata.slot_mapping)
         if metadata.decode_only and metadata.decode and n == query.shape[0]:
-            return self._decode(query, k_cache, v_cache, metadata.decode)  # no scatter needed
+            return self._decode(query, k_store, v_store, metadata.decode)  # no scatter needed
         out = query.new_zeros(query.shape) if n < query.shape[0] else torch.empty_like(query)
         if metadata.decode is not None:
-            out[metadata.decode.rows] = self._decode(query, k_cache, v_cache, metadata.decode)
+            out[metadata.decode.rows] = self._decode(query, k_store, v_store, metadata.decode)
         for chunk in metadata.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
-                query, key, value, k_cache, v_cache, chunk
+                query, key, value, k_store, v_store, chunk
             )
         return out
 
-    @staticmethod
-    def _write_kv(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        # slot = block_id * block_size + offset indexes the [num_blocks * block_size]
-        # token rows of a cache.
-        nb, bs, kvh, d = k_cache.shape
-        for cache, new in ((k_cache, key), (v_cache, value)):
-            phys = cache.permute(2, 0, 1, 3)
-            if phys.is_contiguous():  # head-major storage [KVH, nb, bs, D]
-                phys.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, new.transpose(0, 1))
-            else:  # block-major storage [nb, bs, KVH, D]
-                cache.view(-1, kvh, d).index_copy_(0, slot_mapping, new)
-
     def _decode(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
+        self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, dec: DecodeBatch
     ) -> torch.Tensor:
-        """One query token per request against its whole (padded) context.
+        """One query token per request against its whole (padded) context, read from the
+        blocks in place with `embedding_bag` (a weighted sum of table rows per bag):
 
-        The requests go in chunks whose gathered K/V stay in cache (DECODE_CHUNK_BYTES)
-        between the gather and the matmuls that read them; gathering the whole batch at
-        once makes both passes go to memory and costs ~2x at B=64.
+            scores[b, h, j*bs + s] = sum_d  (scale * q[b, h, d]) * K[kvh, block_j, d, s]
+                 one bag per (b, h, j): D rows of bs keys, weighted by the query
+            out[b, h, :]           = sum_l  p[b, h, l] * V[kvh, slot_l, :]
+                 one bag per (b, h): a row per slot, weighted by the probabilities
+
+        Nothing the size of the context is copied (gathering K/V first, then matmuls,
+        moves every key three times through memory), and the query-head groups of GQA
+        read the same rows while they are in cache.
         """
         q = query[dec.rows]
-        if dec.chunks is None:
-            dec.chunks = _decode_chunks(dec, self.num_kv_heads * self.head_dim * q.element_size())
-        if len(dec.chunks) == 1:
-            return self._decode_chunk(q, k_cache, v_cache, dec)
-        out = torch.empty_like(q)
-        for start, end, chunk in dec.chunks:
-            out[start:end] = self._decode_chunk(q[start:end], k_cache, v_cache, chunk)
-        return out
-
-    def _decode_chunk(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBatch
-    ) -> torch.Tensor:
-        """Plain batched matmuls over [KVH, B] rather than scaled_dot_product_attention:
-        with one query row per head the fused CPU kernels spend more time on bookkeeping
-        than on the math (measured 2.5 ms vs 1.4 ms per layer at B=64, 160 keys)."""
         b = q.shape[0]
-        kvh, d = self.num_kv_heads, self.head_dim
-        k, v = _gather_decode(k_cache, dec), _gather_decode(v_cache, dec)  # [KVH, B, L, D]
-        # GQA without copying K/V: query head h = kv * group + g, so [B, H, D] is
-        # [B, KVH, group, D] and each KV head serves its `group` query rows.
-        q = q.reshape(b, kvh, self.group, d).transpose(0, 1)  # [KVH, B, group, D]
-        if dec.bias is None:
-            zeros = torch.zeros(dec.mask.shape, dtype=q.dtype, device=q.device)
-            dec.bias = zeros.masked_fill_(~dec.mask, float("-inf"))  # [B, 1, L]
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale).add_(dec.bias)
-        probs = torch.softmax(scores, dim=-1)  # [KVH, B, group, L]
-        o = torch.matmul(probs, v)  # [KVH, B, group, D]
-        return o.transpose(0, 1).reshape(b, self.num_heads, d)
+        kvh, nb, d, bs = k_store.shape
+        num_blocks = dec.block_table.shape[1]
+        if dec.lookups is None:
+            dec.lookups = self._lookups(dec, nb, d, bs, q.dtype)
+        look = dec.lookups
+        weights = (q * self.scale)[:, :, None, :].expand(b, self.num_heads, num_blocks, d)
+        scores = F.embedding_bag(
+            look.key_rows,
+            k_store.view(-1, bs),
+            mode="sum",
+            per_sample_weights=weights.reshape(-1, d),
+        )
+        scores = scores.view(b, self.num_heads, num_blocks * bs).add_(look.bias)
+        probs = torch.softmax(scores, dim=-1)
+        out = F.embedding_bag(
+            look.value_rows,
+            v_store.view(-1, d),
+            mode="sum",
+            per_sample_weights=probs.view(b * self.num_heads, -1),
+        )
+        return out.view(b, self.num_heads, d)
+
+    def _lookups(
+        self, dec: DecodeBatch, nb: int, d: int, bs: int, dtype: torch.dtype
+    ) -> _DecodeLookups:
+        device = dec.block_table.device
+        b, num_blocks = dec.block_table.shape
+        kv_head = torch.arange(self.num_heads, device=device) // self.group  # [H]
+        # (kv head, block) pair of every (b, h, j): its index among KVH * nb blocks
+        head_block = kv_head[None, :, None] * nb + dec.block_table[:, None, :]  # [B, H, n]
+        index_dtype = torch.int32 if self.num_kv_heads * nb * max(d, bs) < 2**31 else torch.int64
+        key_rows = head_block[..., None] * d + torch.arange(d, device=device)
+        value_rows = head_block[..., None] * bs + torch.arange(bs, device=device)
+        zeros = torch.zeros(dec.mask.shape, dtype=dtype, device=device)
+        return _DecodeLookups(
+            key_rows=key_rows.reshape(-1, d).to(index_dtype),
+            value_rows=value_rows.reshape(b * self.num_heads, num_blocks * bs).to(index_dtype),
+            bias=zeros.masked_fill_(~dec.mask, float("-inf")),
+        )
 
     def _prefill(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_store: torch.Tensor,
+        v_store: torch.Tensor,
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         s, e = chunk.token_start, chunk.token_end
         q = query[s:e].transpose(0, 1)  # [H, q_len, D]
         if chunk.block_ids is None:  # nothing cached: the chunk's own K/V are all its keys
-            k, v = key[s:e], value[s:e]
+            k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)  # [KVH, L, D]
         else:  # cached prefix + this chunk, read back from the blocks
-            kvh, d = self.num_kv_heads, self.head_dim
-            k = k_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[: chunk.seq_len]
-            v = v_cache.index_select(0, chunk.block_ids).view(-1, kvh, d)[: chunk.seq_len]
-        # [L, KVH, D] -> [H, L, D]: each KV head repeated for its `group` query heads.
-        k = k.transpose(0, 1).repeat_interleave(self.group, dim=0)
-        v = v.transpose(0, 1).repeat_interleave(self.group, dim=0)
+            kvh, _, d, bs = k_store.shape
+            n = chunk.block_ids.shape[0]
+            k = k_store.index_select(1, chunk.block_ids).transpose(-1, -2)  # [KVH, n, bs, D]
+            v = v_store.index_select(1, chunk.block_ids)
+            k = k.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
+            v = v.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
+        # [KVH, L, D] -> [H, L, D]: each KV head repeated for its `group` query heads.
+        k = k.repeat_interleave(self.group, dim=0)
+        v = v.repeat_interleave(self.group, dim=0)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
         )
         return o.transpose(0, 1)  # [q_len, H, D]
 
 
-DECODE_CHUNK_BYTES = 2 << 20
-"""Target size of one chunk's gathered keys (the values take as much again)."""
-DECODE_CHUNK_MIN_REQS = 4
-"""Fewest requests per chunk, so long contexts do not degrade into one small matmul per
-request."""
+def _storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The physical K [KVH, nb, D, bs] and V [KVH, nb, bs, D] behind the logical
+    [nb, bs, KVH, D] views that `allocate_kv_cache` returns."""
+    k_store, v_store = k_cache.permute(2, 0, 3, 1), v_cache.permute(2, 0, 1, 3)
+    if not (k_store.is_contiguous() and v_store.is_contiguous()):
+        raise ValueError(
+            "the torch attention backend needs the KV cache layout of "
+            "TorchAttentionBackend.allocate_kv_cache"
+        )
+    return k_store, v_store
 
 
-def _decode_chunks(dec: DecodeBatch, bytes_per_key: int) -> list[tuple[int, int, DecodeBatch]]:
-    """Splits the decode batch into runs of requests whose padded keys fill about
-    DECODE_CHUNK_BYTES."""
-    b, num_keys = dec.mask.shape[0], dec.mask.shape[-1]
-    size = max(DECODE_CHUNK_MIN_REQS, DECODE_CHUNK_BYTES // (num_keys * bytes_per_key))
-    if size >= b:
-        return [(0, b, dec)]
-    chunks = []
-    for start in range(0, b, size):
-        end = min(start + size, b)
-        sub = DecodeBatch(slice(start, end), dec.block_table[start:end], dec.mask[start:end])
-        chunks.append((start, end, sub))
-    return chunks
-
-
-def _gather_decode(cache: torch.Tensor, dec: DecodeBatch) -> torch.Tensor:
-    """Keys (or values) of every decode request, padded: [KVH, B, num_blocks * bs, D].
-
-    With head-major storage ([KVH, nb, bs, D] physically), each block of one KV head is
-    one contiguous row of bs * D values, so one index_select over rows
-        row(h, block) = h * nb + block
-    copies exactly what attention reads, and the result is contiguous: the batched
-    matmuls over [KVH, B] take it without another copy.
-    """
-    nb, bs, kvh, d = cache.shape
-    b, n = dec.block_table.shape
-    phys = cache.permute(2, 0, 1, 3)
-    if not phys.is_contiguous():  # block-major storage: gather blocks, then transpose
-        blocks = cache.index_select(0, dec.block_table.reshape(-1))
-        return blocks.view(b, n * bs, kvh, d).permute(2, 0, 1, 3)
-    if dec.head_rows is None:
-        heads = torch.arange(kvh, device=cache.device)[:, None] * nb
-        dec.head_rows = (heads + dec.block_table.reshape(1, -1)).reshape(-1)
-    rows = phys.view(kvh * nb, bs * d).index_select(0, dec.head_rows)  # [KVH * B * n, bs * D]
-    return rows.view(kvh, b, n * bs, d)
+def _write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_store: torch.Tensor,
+    v_store: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores the step's key/value [T, KVH, D] at their slots
+    (slot = block_id * block_size + offset)."""
+    kvh, nb, d, bs = k_store.shape
+    k_store[:, slot_mapping // bs, :, slot_mapping % bs] = key  # indexed dims first: [T, KVH, D]
+    v_store.view(kvh, nb * bs, d).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 class TorchAttentionBackend:
@@ -289,3 +291,18 @@ class TorchAttentionBackend:
     @staticmethod
     def get_impl_cls() -> type[TorchAttentionImpl]:
         return TorchAttentionImpl
+
+    @staticmethod
+    def allocate_kv_cache(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (K, V) cache, uninitialised, as logical [num_blocks, block_size,
+        KVH, D] views over the storage described in the module docstring."""
+        k = torch.empty((num_kv_heads, num_blocks, head_dim, block_size), dtype=dtype, device=device)
+        v = torch.empty((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        return k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)

@@ -57,8 +57,8 @@ class ModelRunner:
             self._forward = torch.compile(
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )
-        backend = get_attn_backend("torch")
-        self.attn_builder = backend.get_builder_cls()(self.block_size, self.device)
+        self.attn_backend = get_attn_backend("torch")
+        self.attn_builder = self.attn_backend.get_builder_cls()(self.block_size, self.device)
         logger.info(
             "Loaded %s (%s, %s) on %s in %.2f s",
             self.model_config.model,
@@ -97,13 +97,17 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.model_config
-        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         # Allocated lazily (torch.empty: no page is touched until used, so start-up does
         # not pay for gigabytes of zeros). Attention reads padded slots under a mask, and
         # a weight of 0 times uninitialised NaN is NaN, so every block is zeroed the first
         # time the scheduler hands it out (see _zero_blocks); block 0 is the padding
         # target of block tables and is zeroed now.
-        self.kv_caches = [(self._alloc_cache(shape), self._alloc_cache(shape)) for _ in range(m.num_layers)]
+        self.kv_caches = [
+            self.attn_backend.allocate_kv_cache(
+                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
+            )
+            for _ in range(m.num_layers)
+        ]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
         self._zero_blocks([0])
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -133,13 +137,6 @@ class ModelRunner:
         with set_forward_context(attn_metadata, self.kv_caches):
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
-
-    def _alloc_cache(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
-        """[num_blocks, block_size, KVH, D] logically, stored head-major ([KVH, num_blocks,
-        block_size, D]) so the attention backend gathers contiguous per-head rows."""
-        nb, bs, kvh, d = shape
-        storage = torch.empty((kvh, nb, bs, d), dtype=self.dtype, device=self.device)
-        return storage.permute(1, 2, 0, 3)
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         ids = np.asarray(block_ids, dtype=np.int64)
