@@ -85,7 +85,8 @@ def test_written_kv_reads_back_through_the_logical_view() -> None:
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     slots = torch.tensor([5 * 4 + 3, 0 * 4 + 1, 2 * 4 + 0])  # (block, offset) = (5,3) (0,1) (2,0)
     k_store, v_store = torch_backend._storage(k_cache, v_cache)
-    torch_backend._write_kv(key, value, k_store, v_store, slots)
+    metadata = torch_backend.TorchAttentionMetadata(3, slots, slots // 4, slots % 4, None, [])
+    torch_backend._write_kv(key, value, k_store, v_store, metadata)
     for t, (block, offset) in enumerate([(5, 3), (0, 1), (2, 0)]):
         assert torch.equal(k_cache[block, offset], key[t])
         assert torch.equal(v_cache[block, offset], value[t])

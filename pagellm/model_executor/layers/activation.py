@@ -11,7 +11,7 @@ from torch import nn
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
 def get_act_and_mul(hidden_act: str) -> nn.Module:

@@ -66,10 +66,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q [T, H, D] and k [T, KVH, D] given positions [T].
+    """Rope tables for `max_position` positions, shared by all layers of a model.
 
-    One instance is shared by all layers of a model; the cos/sin table covers
-    `max_position` positions and is indexed by the step's positions.
+    `tables(positions)` runs once per forward and picks the rows of the step's tokens;
+    each layer then rotates its q and k heads together with `rotate`.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeParams) -> None:
@@ -77,28 +77,37 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.rope = rope
-        self.register_buffer("cos_sin_cache", self._compute_cache(), persistent=False)
+        cos, sin = self._compute_tables()
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
-    def _compute_cache(self) -> torch.Tensor:
-        """[max_position, D] float32: cos of every (position, frequency) in the first
-        half, sin in the second half (each D/2 wide)."""
+    def _compute_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[max_position, D] float32 each: cos of every (position, frequency), repeated for
+        both halves; sin likewise, negated in the first half.
+
+        "Rotate half" pairs x[i] with x[i + D/2]:
+            out[i]       = x[i] * cos - x[i + D/2] * sin
+            out[i + D/2] = x[i + D/2] * cos + x[i] * sin
+        which is x * cos_cache + roll(x, D/2) * sin_cache, the same products and sums
+        as Hugging Face's rotate_half form.
+        """
         inv_freq = compute_inv_freq(self.head_dim, self.rope)
         positions = torch.arange(self.max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq[None, :]
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
-        cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # each [T, 1, D/2]
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of the step's positions [T] -> each [T, 1, D] in `dtype`."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype)
+        sin = self.sin_cache.index_select(0, positions).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # "rotate half": pairs are (x[i], x[i + D/2]), not adjacent elements.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    @staticmethod
+    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, D] (q and k heads side by side) -> rotated copy."""
+        cos, sin = tables
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:

@@ -22,6 +22,9 @@ from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+"""cos and signed sin of one step's positions, each [T, 1, head_dim] (RotaryEmbedding.tables)."""
+
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight.
 STACKED_PARAMS: list[tuple[str, str, int]] = [
@@ -54,7 +57,6 @@ class LlamaAttention(nn.Module):
         self,
         config: Any,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
         backend: type,
         opts: LayerOptions,
     ) -> None:
@@ -71,7 +73,6 @@ class LlamaAttention(nn.Module):
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
-        self.rotary_emb = [rotary_emb]  # a list so the shared module is not re-registered
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -81,16 +82,17 @@ class LlamaAttention(nn.Module):
             backend,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, rope: RopeTables, hidden: torch.Tensor) -> torch.Tensor:
+        t, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side [T, H + KVH, D], so one rotation covers both
+        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.forward_single(q)
-            k = self.k_norm.forward_single(k)
-        q, k = self.rotary_emb[0](positions, q, k)
+            q = self.q_norm.forward_single(qk[:, : self.num_heads])
+            k = self.k_norm.forward_single(qk[:, self.num_heads :])
+            qk = torch.cat([q, k], dim=1)
+        q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], 1)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -112,18 +114,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         config: Any,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
         backend: type,
         opts: LayerOptions,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary_emb, backend, opts)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, opts)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, rope: RopeTables, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block. `residual` carries the un-normalised stream; each norm first
         adds the previous sub-block's output to it (x + f(norm(x)) overall)."""
@@ -132,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm.forward_single(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -143,16 +144,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, backend, opts)
+            LlamaDecoderLayer(config, i, backend, opts)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.tables(positions, hidden.dtype)  # once for all layers
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
