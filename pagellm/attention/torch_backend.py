@@ -59,6 +59,8 @@ class DecodeBatch:
     """Rows of the decode tokens in the flattened batch (a slice when contiguous)."""
     block_table: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, num_blocks * block_size] bool, True = real key
+    req_blocks: list[int]
+    """Blocks each request actually uses (ceil(seq_len / block_size))."""
     lookups: _DecodeLookups | None = None
     """Cache row indices and score bias; made by the first layer of the step (they need
     the cache's geometry) and reused by the others."""
@@ -66,12 +68,26 @@ class DecodeBatch:
 
 @dataclass
 class _DecodeLookups:
+    """Which cache rows each bag of `_decode` sums. A bag is one (request b, query head
+    h, block j) for the scores and one (b, h) for the output; only the blocks a request
+    uses get bags, so a short request next to a long one costs its own length.
+
+    P = H * sum_b(blocks of b): the (b, h, j) triples in that order.
+    """
+
     key_rows: torch.Tensor
-    """[B * H * num_blocks, D]: for query head h of request b and its j-th block, the D
-    rows (one per dim d) of the K storage viewed as [KVH * num_blocks_total * D, bs]."""
+    """[P, D]: for triple (b, h, j) the D rows (one per dim d) of the K storage viewed as
+    [KVH * num_blocks_total * D, bs]."""
     value_rows: torch.Tensor
-    """[B * H, num_blocks * bs]: for query head h of request b, the row of every padded
-    slot in the V storage viewed as [KVH * num_blocks_total * bs, D]."""
+    """[P * bs]: every slot of every triple, as a row of the V storage viewed as
+    [KVH * num_blocks_total * bs, D]; bag (b, h) is its run of blocks_b * bs entries."""
+    value_offsets: torch.Tensor
+    """[B * H] start of each (b, h) bag in value_rows."""
+    query_repeats: torch.Tensor
+    """[B * H] blocks of each (b, h): how often its query row weights a score bag."""
+    padded_pos: torch.Tensor | None
+    """[P] position of each triple among the B * H * num_blocks padded ones; None when
+    every request uses all num_blocks blocks (nothing to scatter)."""
     bias: torch.Tensor
     """`mask` as an additive score bias (0 or -inf) [B, 1, L] in the model dtype."""
 
@@ -126,7 +142,8 @@ class TorchAttentionMetadataBuilder:
         slots = torch.arange(num_blocks * self.block_size, device=self.device)
         lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
         mask = (slots[None, :] < lens[:, None])[:, None, :]
-        return DecodeBatch(rows=rows, block_table=block_table, mask=mask)
+        req_blocks = [-(-n // self.block_size) for n in seq_lens]
+        return DecodeBatch(rows=rows, block_table=block_table, mask=mask, req_blocks=req_blocks)
 
     def _build_prefill(self, common: CommonAttentionMetadata, i: int) -> PrefillChunk:
         start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]
@@ -177,8 +194,8 @@ class TorchAttentionImpl:
     def _decode(
         self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, dec: DecodeBatch
     ) -> torch.Tensor:
-        """One query token per request against its whole (padded) context, read from the
-        blocks in place with `embedding_bag` (a weighted sum of table rows per bag):
+        """One query token per request against its whole context, read from the blocks
+        in place with `embedding_bag` (a weighted sum of table rows per bag):
 
             scores[b, h, j*bs + s] = sum_d  (scale * q[b, h, d]) * K[kvh, block_j, d, s]
                  one bag per (b, h, j): D rows of bs keys, weighted by the query
@@ -187,47 +204,72 @@ class TorchAttentionImpl:
 
         Nothing the size of the context is copied (gathering K/V first, then matmuls,
         moves every key three times through memory), and the query-head groups of GQA
-        read the same rows while they are in cache.
+        read the same rows while they are in cache. Scores live in a padded
+        [B, H, num_blocks * bs] tensor only for the softmax.
         """
         q = query[dec.rows]
-        b = q.shape[0]
+        b, h = q.shape[0], self.num_heads
         kvh, nb, d, bs = k_store.shape
-        num_blocks = dec.block_table.shape[1]
+        padded_len = dec.block_table.shape[1] * bs
         if dec.lookups is None:
             dec.lookups = self._lookups(dec, nb, d, bs, q.dtype)
         look = dec.lookups
-        weights = (q * self.scale)[:, :, None, :].expand(b, self.num_heads, num_blocks, d)
-        scores = F.embedding_bag(
-            look.key_rows,
-            k_store.view(-1, bs),
-            mode="sum",
-            per_sample_weights=weights.reshape(-1, d),
-        )
-        scores = scores.view(b, self.num_heads, num_blocks * bs).add_(look.bias)
-        probs = torch.softmax(scores, dim=-1)
+        weights = (q * self.scale).reshape(b * h, d)
+        if look.padded_pos is None:  # every request spans all blocks: a plain repeat
+            weights = weights[:, None, :].expand(b * h, padded_len // bs, d).reshape(-1, d)
+        else:
+            weights = weights.repeat_interleave(look.query_repeats, dim=0)
+        packed = F.embedding_bag(
+            look.key_rows, k_store.view(-1, bs), mode="sum", per_sample_weights=weights
+        )  # [P, bs]
+        if look.padded_pos is None:
+            scores = packed.view(b, h, padded_len)
+        else:
+            scores = packed.new_full((b * h * padded_len // bs, bs), float("-inf"))
+            scores.index_copy_(0, look.padded_pos, packed)
+            scores = scores.view(b, h, padded_len)
+        probs = torch.softmax(scores.add_(look.bias), dim=-1)
+        if look.padded_pos is not None:
+            probs = probs.view(-1, bs).index_select(0, look.padded_pos)
         out = F.embedding_bag(
             look.value_rows,
             v_store.view(-1, d),
+            look.value_offsets,
             mode="sum",
-            per_sample_weights=probs.view(b * self.num_heads, -1),
+            per_sample_weights=probs.reshape(-1),
         )
-        return out.view(b, self.num_heads, d)
+        return out.view(b, h, d)
 
     def _lookups(
         self, dec: DecodeBatch, nb: int, d: int, bs: int, dtype: torch.dtype
     ) -> _DecodeLookups:
         device = dec.block_table.device
         b, num_blocks = dec.block_table.shape
-        kv_head = torch.arange(self.num_heads, device=device) // self.group  # [H]
-        # (kv head, block) pair of every (b, h, j): its index among KVH * nb blocks
+        h = self.num_heads
+        kv_head = torch.arange(h, device=device) // self.group  # [H]
+        # (kv head, block) pair of every padded (b, h, j): its index among KVH * nb blocks
         head_block = kv_head[None, :, None] * nb + dec.block_table[:, None, :]  # [B, H, n]
+        req_blocks = torch.tensor(dec.req_blocks, device=device)
+        padded_pos = None
+        if min(dec.req_blocks) < num_blocks:
+            used = torch.arange(num_blocks, device=device)[None, :] < req_blocks[:, None]
+            used = used[:, None, :].expand(b, h, num_blocks).reshape(-1)
+            padded_pos = used.nonzero().squeeze(1)
+            head_block = head_block.reshape(-1)[padded_pos]
+        head_block = head_block.reshape(-1, 1)  # [P, 1]
         index_dtype = torch.int32 if self.num_kv_heads * nb * max(d, bs) < 2**31 else torch.int64
-        key_rows = head_block[..., None] * d + torch.arange(d, device=device)
-        value_rows = head_block[..., None] * bs + torch.arange(bs, device=device)
+        key_rows = head_block * d + torch.arange(d, device=device)
+        value_rows = head_block * bs + torch.arange(bs, device=device)
+        query_repeats = req_blocks.repeat_interleave(h)  # [B * H]
+        bag_sizes = query_repeats * bs
+        value_offsets = torch.cumsum(bag_sizes, 0) - bag_sizes
         zeros = torch.zeros(dec.mask.shape, dtype=dtype, device=device)
         return _DecodeLookups(
-            key_rows=key_rows.reshape(-1, d).to(index_dtype),
-            value_rows=value_rows.reshape(b * self.num_heads, num_blocks * bs).to(index_dtype),
+            key_rows=key_rows.to(index_dtype),
+            value_rows=value_rows.reshape(-1).to(index_dtype),
+            value_offsets=value_offsets.to(index_dtype),
+            query_repeats=query_repeats,
+            padded_pos=padded_pos,
             bias=zeros.masked_fill_(~dec.mask, float("-inf")),
         )
 
