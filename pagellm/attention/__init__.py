@@ -1,5 +1,6 @@
 """Attention backends behind a name: `get_attn_backend("torch")` returns a backend class
-with `get_builder_cls()` (per-step metadata) and `get_impl_cls()` (per-layer forward).
+with `get_builder_cls()` (per-step metadata), `get_impl_cls()` (per-layer forward) and
+`allocate_kv_cache(...)` (one layer's K/V cache in the storage order its impl reads).
 Backends are imported lazily so optional kernels cost nothing until selected.
 """
 
