@@ -135,14 +135,14 @@ class TorchAttentionMetadataBuilder:
         else:
             rows = torch.tensor(token_rows, dtype=torch.long, device=self.device)
         seq_lens = [common.seq_lens_cpu[i] for i in reqs]
-        num_blocks = -(-max(seq_lens) // self.block_size)  # ceil: blocks of the longest
+        req_blocks = [-(-n // self.block_size) for n in seq_lens]  # ceil
+        num_blocks = max(req_blocks)  # blocks of the longest
         req_idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
         block_table = common.block_table.index_select(0, req_idx)[:, :num_blocks]
         # Slot s of a padded row is a real key iff s < seq_len.
         slots = torch.arange(num_blocks * self.block_size, device=self.device)
         lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
         mask = (slots[None, :] < lens[:, None])[:, None, :]
-        req_blocks = [-(-n // self.block_size) for n in seq_lens]
         return DecodeBatch(rows=rows, block_table=block_table, mask=mask, req_blocks=req_blocks)
 
     def _build_prefill(self, common: CommonAttentionMetadata, i: int) -> PrefillChunk:
@@ -214,11 +214,10 @@ class TorchAttentionImpl:
         if dec.lookups is None:
             dec.lookups = self._lookups(dec, nb, d, bs, q.dtype)
         look = dec.lookups
-        weights = (q * self.scale).reshape(b * h, d)
-        if look.padded_pos is None:  # every request spans all blocks: a plain repeat
-            weights = weights[:, None, :].expand(b * h, padded_len // bs, d).reshape(-1, d)
-        else:
-            weights = weights.repeat_interleave(look.query_repeats, dim=0)
+        # query row (b, h) weights each of its blocks' score bags
+        weights = (q * self.scale).reshape(b * h, d).repeat_interleave(
+            look.query_repeats, dim=0, output_size=look.key_rows.shape[0]
+        )
         packed = F.embedding_bag(
             look.key_rows, k_store.view(-1, bs), mode="sum", per_sample_weights=weights
         )  # [P, bs]

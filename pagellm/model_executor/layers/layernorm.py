@@ -17,14 +17,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the same products as below, in fewer tensors
-            inv_rms = x.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon).rsqrt_()
-            return (x * inv_rms).mul_(self.weight)
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # Hugging Face's products (normalise in float32, cast back, scale by the weight),
+        # with the temporaries updated in place; `.to` is a no-op for float32.
+        x32 = x.to(torch.float32)
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon).rsqrt_()
+        return (x32 * inv_rms).to(x.dtype).mul_(self.weight)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

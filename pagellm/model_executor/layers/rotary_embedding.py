@@ -16,6 +16,9 @@ from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+"""cos and signed sin of one step's positions, each [T, 1, head_dim] (`RotaryEmbedding.tables`)."""
+
 
 @dataclass(frozen=True)
 class RopeParams:
@@ -97,14 +100,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and signed sin of the step's positions [T] -> each [T, 1, D] in `dtype`."""
         cos = self.cos_cache.index_select(0, positions).to(dtype)
         sin = self.sin_cache.index_select(0, positions).to(dtype)
         return cos[:, None, :], sin[:, None, :]
 
     @staticmethod
-    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
         """x [T, heads, D] (q and k heads side by side) -> rotated copy."""
         cos, sin = tables
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -20,10 +20,7 @@ from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
-from pagellm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]
-"""cos and signed sin of one step's positions, each [T, 1, head_dim] (RotaryEmbedding.tables)."""
+from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight.
