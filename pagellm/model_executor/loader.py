@@ -291,6 +291,11 @@ def get_model(model_config: Any, device: torch.device, attn_backend: str = "torc
     missing = sorted(_expected_param_names(model) - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks weights: {', '.join(missing[:8])}")
+    # 4. Let modules re-lay out their loaded weights for the device's kernels.
+    for module in list(model.modules()):
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return model.eval()
 
 

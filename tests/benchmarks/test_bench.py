@@ -215,3 +215,24 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     assert rows[("vllm", "W")]["note"].startswith("skipped")
     assert 0 < data["machine_share"]["W"]["share"]
     assert "vs pagellm" in res.stdout
+
+
+def test_compare_serve_writes_table(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare_serve.py", "--systems", "pagellm,llamacpp",
+         "--num-prompts", "3", "--input-len", "16", "--output-len", "4",
+         "--request-rates", "10,inf", "--pagellm-args", "--max-model-len 256",
+         "--results-dir", str(tmp_path)],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("serve-*.json")
+    data = json.loads(path.read_text())
+    assert data["settings"]["num_prompts"] == 3 and "matmul_gflops_fp32" in data["machine"]
+    pagellm_rows = [r for r in data["rows"] if r["system"] == "pagellm"]
+    assert [r["request_rate"] for r in pagellm_rows] == [10.0, "inf"]
+    for r in pagellm_rows:
+        assert r["completed"] == 3 and r["failed"] == 0 and r["ratio_to_pagellm"] == 1.0
+        assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 and r["startup_s"] > 0
+        assert r["peak_rss_mb"] > 50
+    assert data["rows"][-1] == {"system": "llamacpp", "note": "skipped: pass --llamacpp-venv"}
+    assert "TPOT p50 ms" in res.stdout

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.model_executor.layers.linear import SMALL_BATCH_ROWS, linear
+from pagellm.model_executor.layers.linear import SMALL_BATCH_ROWS, Linear, linear, packed_linear
 
 VOCAB_CHUNK = 1024
 """Vocabulary rows per matmul when few hidden rows are projected on CPU."""
 
 
-def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+def compute_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
+    if lm_head.packed_weight is not None:
+        return packed_linear(hidden, lm_head.packed_weight).float()
+    lm_head_weight = lm_head.weight
     n, vocab = hidden.shape[0], lm_head_weight.shape[0]
     if hidden.device.type != "cpu" or n >= SMALL_BATCH_ROWS or vocab <= VOCAB_CHUNK:
         return linear(hidden, lm_head_weight).float().contiguous()

@@ -179,8 +179,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        return compute_logits(hidden, head.weight)
+        assert self.lm_head is not None, "process_weights_after_loading sets the tied head"
+        return compute_logits(hidden, self.lm_head)
+
+    def process_weights_after_loading(self) -> None:
+        """Tied embeddings: the head becomes a Linear over the embedding's weight (shared,
+        not copied), so it takes the same packed CPU matmul as an untied head."""
+        if self.lm_head is None:
+            embed = self.model.embed_tokens
+            self.lm_head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+            self.lm_head.weight = embed.weight
+            self.lm_head.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters.

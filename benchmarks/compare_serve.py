@@ -1,0 +1,194 @@
+"""pagellm's OpenAI server next to its peers' servers on one machine: each server is
+started on the same model, driven by `pagellm bench serve` with the same prompts at each
+request rate, and stopped. Prints one table; writes benchmarks/results/serve-<timestamp>.json.
+
+    python benchmarks/compare_serve.py                         # pagellm only
+    python benchmarks/compare_serve.py --vllm-venv ~/venvs/vllm --llamacpp-venv ~/venvs/llamacpp
+
+Default load: 32 requests, 128 tokens in, 64 out (ignore_eos), at 4 requests/s and all at
+once (inf). Each rate gets its own prompts (seed + rate index), the same for every server,
+so a prefix cache cannot reuse one rate's prompts in the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import RESULTS_DIR, PeakRss, describe_machine, hf_model_dir, wait_for_server  # noqa: E402
+
+SERVERS = ("pagellm", "vllm", "llamacpp")
+METRICS = ("completed", "request_throughput", "output_throughput", "median_ttft_ms",
+           "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line that starts `system`'s OpenAI server on `port`, and its extra env."""
+    cores = str(os.cpu_count() or 1)
+    if system == "pagellm":
+        return [sys.executable, "-m", "pagellm", "serve", args.model,
+                "--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()], {}
+    if system == "vllm":
+        model_dir = hf_model_dir(args.model, tmp / "hf_model")
+        vllm = str(Path(args.vllm_venv) / "bin" / "vllm")
+        # float32: vLLM's default bfloat16 is several times slower on CPUs without native
+        # bf16; 4 GiB of KV cache, as pagellm allocates by default.
+        return [vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", *args.vllm_args.split()], {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    python = str(Path(args.llamacpp_venv) / "bin" / "python")
+    return [python, "-m", "llama_cpp.server", "--model", args.model, "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", "4096", "--n_threads", cores,
+            "--n_threads_batch", cores, "--interrupt_requests", "False"], {}
+
+
+def bench_args(args: argparse.Namespace, system: str, port: int, rate: float, seed: int) -> argparse.Namespace:
+    from pagellm.benchmarks import serve
+
+    argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(args.num_prompts),
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", "0", "--seed", str(seed), "--request-rate", str(rate),
+            "--tokenizer", args.model, "--disable-tqdm"]
+    if system == "llamacpp":
+        # llama-cpp-python has no ignore_eos: end-of-sequence tokens are banned instead
+        from pagellm.model_executor.loader import load_tokenizer
+
+        eos = load_tokenizer(args.model).eos_token_id
+        argv += ["--extra-body", json.dumps({"logit_bias": {str(eos): -100}})]
+    else:
+        argv.append("--ignore-eos")
+    return serve.parse_args(argv)
+
+
+def run_server(args: argparse.Namespace, system: str, rates: list[float], tmp: Path) -> list[dict[str, Any]]:
+    """Starts one server, runs every rate against it, stops it; one row per rate."""
+    from pagellm.benchmarks import serve
+
+    port = free_port()
+    cmd, extra_env = server_command(args, system, port, tmp)
+    log = tmp / f"{system}-server.log"
+    launch = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **extra_env})
+    monitor = PeakRss(proc.pid)
+    rows = []
+    try:
+        try:
+            ready = wait_for_server(f"http://127.0.0.1:{port}", proc, args.startup_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; log tail:\n{log.read_text()[-1500:]}") from e
+        for i, rate in enumerate(rates):
+            print(f"  {system} at request rate {rate:g} ...", flush=True)
+            result = asyncio.run(serve.benchmark(bench_args(args, system, port, rate, args.seed + i)))
+            row = {"system": system, "request_rate": "inf" if rate == float("inf") else rate,
+                   "startup_s": ready - launch, **{m: result[m] for m in METRICS},
+                   "failed": result["failed"]}
+            rows.append(row)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        monitor.stop()
+    for row in rows:
+        row["peak_rss_mb"] = monitor.peak_mb
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = (f"{'system':<9} {'rate':>5} {'done':>5} {'out tok/s':>9} {'vs pagellm':>10} "
+              f"{'TTFT p50 ms':>11} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} "
+              f"{'peak RSS MiB':>12} {'start-up s':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "note" in r:
+            print(f"{r['system']:<9} {'':>5} {r['note'][-300:]}")
+            continue
+        ratio = r.get("ratio_to_pagellm")
+        print(f"{r['system']:<9} {str(r['request_rate']):>5} {r['completed']:>5} "
+              f"{r['output_throughput']:>9.1f} {'-' if ratio is None else f'{ratio:.2f}':>10} "
+              f"{r['median_ttft_ms']:>11.0f} {r['median_tpot_ms']:>11.0f} {r['p99_tpot_ms']:>11.0f} "
+              f"{r['peak_rss_mb']:>12.0f} {r['startup_s']:>10.1f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
+    p.add_argument("--systems", default=",".join(SERVERS), help=f"Comma list of {SERVERS}.")
+    p.add_argument("--request-rates", default="4,inf", help="Comma list of requests/s.")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
+    p.add_argument("--vllm-args", default="", help="Extra `vllm serve` flags.")
+    p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python[server].")
+    p.add_argument("--pagellm-args", default="", help="Extra `pagellm serve` flags.")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    args = p.parse_args(argv)
+    if args.model is None:
+        from pagellm.model_executor.loader import default_model_path
+
+        args.model = default_model_path()
+    unknown = set(args.systems.split(",")) - set(SERVERS)
+    if unknown:
+        p.error(f"unknown system(s) {sorted(unknown)}; choose from {SERVERS}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rates = [float(r) for r in args.request_rates.split(",")]
+    machine = describe_machine(quick=True)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="pagellm-compare-serve-") as tmp_name:
+        for system in args.systems.split(","):
+            venv = {"vllm": args.vllm_venv, "llamacpp": args.llamacpp_venv}.get(system, "")
+            if venv is None:
+                rows.append({"system": system, "note": f"skipped: pass --{system}-venv"})
+                continue
+            print(f"starting {system}'s server ...", flush=True)
+            try:
+                rows += run_server(args, system, rates, Path(tmp_name))
+            except Exception as e:  # one broken peer must not sink the whole table
+                rows.append({"system": system, "note": f"failed: {str(e).strip()}"})
+    for r in rows:
+        ref = [p for p in rows if p["system"] == "pagellm" and "note" not in p
+               and p["request_rate"] == r.get("request_rate")]
+        if ref and "note" not in r:
+            r["ratio_to_pagellm"] = r["output_throughput"] / ref[0]["output_throughput"]
+    print_table(rows)
+    out_dir = Path(args.results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    settings = {k: getattr(args, k) for k in ("model", "num_prompts", "input_len", "output_len", "seed")}
+    path.write_text(json.dumps({"date": datetime.now().isoformat(timespec="seconds"),
+                                "machine": machine, "settings": settings,
+                                "request_rates": args.request_rates, "rows": rows}, indent=2) + "\n")
+    print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
