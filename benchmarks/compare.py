@@ -306,10 +306,31 @@ def hf_model_dir(model: str, out: Path) -> Path:
     return out
 
 
+def llamacpp_server_command(args: argparse.Namespace, port: int, n_ctx: int,
+                            slots: int) -> tuple[list[str], int, str]:
+    """(command line, requests in flight, note) of llama.cpp's OpenAI server on `port`.
+
+    With `--llama-server PATH` (llama.cpp's own server binary): `slots` parallel slots of
+    `n_ctx` tokens each, continuous batching, every request sent at once. Otherwise
+    llama-cpp-python's server from `--llamacpp-venv`, which decodes one sequence at a
+    time, so requests go one by one."""
+    cores = str(os.cpu_count() or 1)
+    host = ["--host", "127.0.0.1", "--port", str(port)]
+    if args.llama_server:
+        cmd = [args.llama_server, "-m", args.model, *host, "-c", str(n_ctx * slots),
+               "-np", str(slots), "-t", cores, "-tb", cores, "--log-disable"]
+        return cmd, slots, f"llama-server, {slots} parallel slots"
+    python = str(Path(args.llamacpp_venv) / "bin" / "python")
+    cmd = [python, "-m", "llama_cpp.server", "--model", args.model, *host, "--n_ctx", str(n_ctx),
+           "--n_threads", cores, "--n_threads_batch", cores, "--interrupt_requests", "False",
+           "--verbose", "False"]
+    return cmd, 1, "llama-cpp-python server, one request at a time"
+
+
 def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
-    """llama-cpp-python's OpenAI server from its venv, driven by `pagellm bench serve`'s
-    client. That server decodes one request at a time, so requests go one by one; EOS is
-    suppressed through logit_bias (it has no ignore_eos)."""
+    """llama.cpp's OpenAI server (see `llamacpp_server_command`), driven by
+    `pagellm bench serve`'s client. EOS is suppressed through logit_bias (llama-cpp-python
+    has no ignore_eos)."""
     import asyncio
     import socket
 
@@ -318,13 +339,9 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    python = str(Path(args.llamacpp_venv) / "bin" / "python")
     n_ctx = max(i + o for i, o in zip(req["input"], req["output"])) + 64
-    cores = str(os.cpu_count() or 1)
-    cmd = [python, "-m", "llama_cpp.server", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", cores,
-           "--n_threads_batch", cores, "--interrupt_requests", "False", "--verbose", "False"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    cmd, in_flight, note = llamacpp_server_command(args, port, n_ctx, len(req["input"]))
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     monitor = PeakRss(server.pid)
     try:
         wait_for_server(f"http://127.0.0.1:{port}", server, args.worker_timeout)
@@ -340,7 +357,8 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
         warm = serve.RequestInput(**{**vars(inputs[0]), "prompt": "Hello", "output_len": 2})
         asyncio.run(serve.run_requests([warm], float("inf"), 1.0, 1, 0, False))
         ready = time.time()
-        results, duration = asyncio.run(serve.run_requests(inputs, float("inf"), 1.0, 1, 0, False))
+        results, duration = asyncio.run(
+            serve.run_requests(inputs, float("inf"), 1.0, in_flight, 0, False))
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -351,7 +369,7 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     return {"ready_time": ready, "elapsed_s": duration,
             "prompt_tokens": sum(r.prompt_len for r in results),
             "output_tokens": sum(r.output_tokens for r in results),
-            "server_peak_rss_mb": monitor.peak_mb, "note": "one request at a time"}
+            "server_peak_rss_mb": monitor.peak_mb, "note": note}
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -424,6 +442,8 @@ def worker_command(args: argparse.Namespace, system: str, req_file: Path) -> lis
            "--worker-timeout", str(args.worker_timeout)]
     if args.llamacpp_venv:
         cmd += ["--llamacpp-venv", args.llamacpp_venv]
+    if args.llama_server:
+        cmd += ["--llama-server", args.llama_server]
     return cmd
 
 
@@ -471,8 +491,9 @@ def make_row(system: str, workload: str, out: dict[str, Any]) -> Row:
 def skip_reason(args: argparse.Namespace, system: str) -> str | None:
     if system == "vllm" and not args.vllm_venv:
         return "skipped: pass --vllm-venv PATH (a virtualenv with vllm)"
-    if system == "llamacpp" and not args.llamacpp_venv:
-        return "skipped: pass --llamacpp-venv PATH (a virtualenv with llama-cpp-python)"
+    if system == "llamacpp" and not (args.llamacpp_venv or args.llama_server):
+        return ("skipped: pass --llama-server PATH (llama.cpp's server binary) or "
+                "--llamacpp-venv PATH (a virtualenv with llama-cpp-python)")
     return None
 
 
@@ -568,6 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
     p.add_argument("--vllm-kwargs", default='{"dtype": "float32"}', help="JSON kwargs of vllm.LLM.")
     p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python.")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's llama-server binary (parallel slots; preferred over the venv).")
     p.add_argument("--pagellm-kwargs", default="{}", help="JSON kwargs of pagellm.LLM.")
     p.add_argument("--hf-batch-sizes", default=None, help="Comma list (default 16,64; quick 2,4).")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import RESULTS_DIR, PeakRss, describe_machine, hf_model_dir, wait_for_server  # noqa: E402
+from compare import (  # noqa: E402
+    RESULTS_DIR,
+    PeakRss,
+    describe_machine,
+    hf_model_dir,
+    llamacpp_server_command,
+    wait_for_server,
+)
 
 SERVERS = ("pagellm", "vllm", "llamacpp")
 METRICS = ("completed", "request_throughput", "output_throughput", "median_ttft_ms",
@@ -41,7 +48,6 @@ def free_port() -> int:
 
 def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
     """The command line that starts `system`'s OpenAI server on `port`, and its extra env."""
-    cores = str(os.cpu_count() or 1)
     if system == "pagellm":
         return [sys.executable, "-m", "pagellm", "serve", args.model,
                 "--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()], {}
@@ -55,10 +61,8 @@ def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) 
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", *args.vllm_args.split()], {"VLLM_CPU_KVCACHE_SPACE": "4"}
-    python = str(Path(args.llamacpp_venv) / "bin" / "python")
-    return [python, "-m", "llama_cpp.server", "--model", args.model, "--host", "127.0.0.1",
-            "--port", str(port), "--n_ctx", "4096", "--n_threads", cores,
-            "--n_threads_batch", cores, "--interrupt_requests", "False"], {}
+    n_ctx = args.input_len + args.output_len + 64
+    return llamacpp_server_command(args, port, n_ctx, args.num_prompts)[0], {}
 
 
 def bench_args(args: argparse.Namespace, system: str, port: int, rate: float, seed: int) -> argparse.Namespace:
@@ -146,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
     p.add_argument("--vllm-args", default="", help="Extra `vllm serve` flags.")
     p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python[server].")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's llama-server binary (parallel slots; preferred over the venv).")
     p.add_argument("--pagellm-args", default="", help="Extra `pagellm serve` flags.")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -167,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pagellm-compare-serve-") as tmp_name:
         for system in args.systems.split(","):
-            venv = {"vllm": args.vllm_venv, "llamacpp": args.llamacpp_venv}.get(system, "")
-            if venv is None:
-                rows.append({"system": system, "note": f"skipped: pass --{system}-venv"})
+            runnable = {"vllm": args.vllm_venv,
+                        "llamacpp": args.llamacpp_venv or args.llama_server}.get(system, True)
+            if not runnable:
+                flag = "--vllm-venv" if system == "vllm" else "--llama-server or --llamacpp-venv"
+                rows.append({"system": system, "note": f"skipped: pass {flag}"})
                 continue
             print(f"starting {system}'s server ...", flush=True)
             try:

@@ -152,6 +152,11 @@ def load_generation_config(path: str) -> dict[str, Any]:
 # mtime>/ (config.json, weights.safetensors in float32) so later starts take a fraction.
 
 
+GGUF_CACHE_FORMAT = 2
+"""Bumped when what the cache holds changes (2: rope_freq_factors in the config), so an
+older cache entry is not read as if it were complete."""
+
+
 def _gguf_cache_dir(path: str) -> str | None:
     if not envs.PAGELLM_GGUF_CACHE or not os.path.isfile(path):
         return None  # a missing file is reported by the uncached path
@@ -207,7 +212,7 @@ def _write_atomically(file: str, write: Any) -> None:
 
 def _gguf_cache_key(path: str) -> str:
     st = os.stat(path)
-    ident = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    ident = f"{GGUF_CACHE_FORMAT}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 

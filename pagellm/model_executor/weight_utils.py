@@ -143,8 +143,9 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
         factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        logger.warning("%s: rope_freqs (llama3 frequency factors) are not applied", path)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # llama3 scaling as llama.cpp's converter stores it
+        kwargs["rope_freq_factors"] = dequantize_gguf_tensor(path, freqs).reshape(-1).tolist()
     kwargs["tie_word_embeddings"] = "output.weight" not in names
     for key, hf_key in (
         ("bos", "bos_token_id"),

@@ -234,5 +234,5 @@ def test_compare_serve_writes_table(tmp_path: Path) -> None:
         assert r["completed"] == 3 and r["failed"] == 0 and r["ratio_to_pagellm"] == 1.0
         assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 and r["startup_s"] > 0
         assert r["peak_rss_mb"] > 50
-    assert data["rows"][-1] == {"system": "llamacpp", "note": "skipped: pass --llamacpp-venv"}
+    assert data["rows"][-1] == {"system": "llamacpp", "note": "skipped: pass --llama-server or --llamacpp-venv"}
     assert "TPOT p50 ms" in res.stdout

@@ -121,3 +121,99 @@ def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> 
     assert (
         qwen3.head_dim == 32 != qwen3.hf_config.hidden_size // qwen3.hf_config.num_attention_heads
     )
+
+
+def _llama_cpp_freq_factors(head_dim: int, rope: dict[str, Any]) -> list[float]:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a llama3-scaled model:
+    one divisor per inverse frequency (1 for short wavelengths, `factor` for long ones,
+    interpolated between)."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
+def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float]) -> str:
+    """The tiny HF Llama as a float32 GGUF the way llama.cpp lays it out: GGUF tensor
+    names, q/k rows permuted to interleaved pairs, rope scaling only as `rope_freqs`."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from pagellm.model_executor import weight_utils
+
+    cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(out, "llama")
+    for key, value in {"block_count": cfg["num_hidden_layers"],
+                       "context_length": cfg["max_position_embeddings"],
+                       "embedding_length": cfg["hidden_size"],
+                       "feed_forward_length": cfg["intermediate_size"],
+                       "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+                       "vocab_size": cfg["vocab_size"]}.items():  # fmt: skip
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32("llama.rope.freq_base", LLAMA3_ROPE["rope_theta"])
+    layer_names = {hf: g for g, hf in weight_utils._GGUF_LAYER_NAMES.items()}
+    global_names = {hf: g for g, hf in weight_utils._GGUF_GLOBAL_NAMES.items()}
+    permuted_heads = {"attn_q": heads, "attn_k": kv_heads}
+    for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        stem, suffix = name.rsplit(".", 1)
+        n_head = None
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            gguf_part = layer_names[part]
+            gguf_name, n_head = f"blk.{layer}.{gguf_part}.{suffix}", permuted_heads.get(gguf_part)
+        else:
+            gguf_name = f"{global_names[stem]}.{suffix}"
+        if n_head:  # rows [head, 2, pair] -> [head, pair, 2]
+            pair = t.shape[0] // n_head // 2
+            t = t.reshape(n_head, 2, pair, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        w.add_tensor(gguf_name, np.ascontiguousarray(t, dtype=np.float32))
+    w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tmp_path) -> None:
+    """A Llama 3.x GGUF carries its rope scaling only as the `rope_freqs` divisors; loaded
+    from GGUF, the tiny llama3 model must give the logits HF gives from its config."""
+    model_dir = tiny_model("llama", rope_parameters=LLAMA3_ROPE)
+    mc_hf = make_model_config(model_dir)
+    head_dim = mc_hf.head_dim
+    factors = _llama_cpp_freq_factors(head_dim, LLAMA3_ROPE)
+    assert 1.0 in factors and LLAMA3_ROPE["factor"] in factors  # all three bands present
+    assert any(1.0 < f < LLAMA3_ROPE["factor"] for f in factors)
+    path = _write_llama_gguf(model_dir, str(tmp_path / "tiny-llama3.gguf"), factors)
+    mc = make_model_config(path)
+    assert mc.hf_config.rope_freq_factors == pytest.approx(factors)
+    prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(130)]  # past original 64 positions
+    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    runner.add("s", prompt)
+    logits = runner.step([("s", len(prompt))])
+    torch.testing.assert_close(logits[0], _hf_last_logits(model_dir, prompt), atol=1e-4, rtol=0)
+
+
+def test_rope_freq_factors_of_wrong_length_are_refused() -> None:
+    from pagellm.model_executor.layers.rotary_embedding import RopeParams, compute_inv_freq
+
+    with pytest.raises(
+        ValueError, match=r"rope_freq_factors has 3 entries; expected 32 \(head_dim / 2\)"
+    ):
+        compute_inv_freq(64, RopeParams(10000.0, "default", {}, (1.0, 2.0, 4.0)))

@@ -1,5 +1,6 @@
 """Rotary position embedding (NeoX/Hugging Face "rotate half" layout) with the rope
-scalings the supported families use: default, linear and llama3.
+scalings the supported families use: default, linear and llama3, plus per-frequency
+divisors as llama.cpp stores them (a GGUF's `rope_freqs` tensor, e.g. Llama 3.1).
 
 Reads rope settings from either transformers 5 (`config.rope_parameters`) or the older
 `rope_theta` / `rope_scaling` attributes. cos/sin are precomputed per position in float32.
@@ -26,6 +27,9 @@ class RopeParams:
     rope_type: str
     scaling: dict[str, Any]
     """The full rope dict (factor, low_freq_factor, ...) for scaled types; empty otherwise."""
+    freq_factors: tuple[float, ...] | None = None
+    """Divisor of each inverse frequency (config `rope_freq_factors`, from a GGUF's
+    `rope_freqs` tensor, where llama.cpp's converter bakes llama3 scaling)."""
 
 
 def get_rope_params(config: Any) -> RopeParams:
@@ -40,13 +44,26 @@ def get_rope_params(config: Any) -> RopeParams:
         raise ValueError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    return RopeParams(float(theta), rope_type, params if rope_type != "default" else {})
+    factors = getattr(config, "rope_freq_factors", None)
+    return RopeParams(
+        float(theta),
+        rope_type,
+        params if rope_type != "default" else {},
+        tuple(float(f) for f in factors) if factors is not None else None,
+    )
 
 
 def compute_inv_freq(rotary_dim: int, rope: RopeParams) -> torch.Tensor:
     """Inverse frequencies [rotary_dim / 2] in float32, scaled per rope type."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != rotary_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(rope.freq_factors)} entries; expected "
+                f"{rotary_dim // 2} (head_dim / 2)"
+            )
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.scaling["factor"]
     if rope.rope_type == "llama3":
