@@ -4,7 +4,7 @@ llama.cpp, each in its own subprocess (own peak memory and start-up time). Print
 table with the machine's measured limit; writes benchmarks/results/<timestamp>.json.
 
     python benchmarks/compare.py                      # pagellm, pagellm-mp, hf
-    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llamacpp-venv ~/venvs/llamacpp
+    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server ~/llama.cpp/build/bin/llama-server
     python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
 """
 
