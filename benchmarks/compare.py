@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -306,6 +307,12 @@ def hf_model_dir(model: str, out: Path) -> Path:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def llamacpp_server_command(args: argparse.Namespace, port: int, n_ctx: int,
                             slots: int) -> tuple[list[str], int, str]:
     """(command line, requests in flight, note) of llama.cpp's OpenAI server on `port`.
@@ -332,13 +339,10 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     `pagellm bench serve`'s client. EOS is suppressed through logit_bias (llama-cpp-python
     has no ignore_eos)."""
     import asyncio
-    import socket
 
     from pagellm.benchmarks import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     n_ctx = max(i + o for i, o in zip(req["input"], req["output"])) + 64
     cmd, in_flight, note = llamacpp_server_command(args, port, n_ctx, len(req["input"]))
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

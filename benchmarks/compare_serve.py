@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from compare import (  # noqa: E402
     RESULTS_DIR,
     PeakRss,
     describe_machine,
+    free_port,
     hf_model_dir,
     llamacpp_server_command,
     wait_for_server,
@@ -38,12 +38,6 @@ from compare import (  # noqa: E402
 SERVERS = ("pagellm", "vllm", "llamacpp")
 METRICS = ("completed", "request_throughput", "output_throughput", "median_ttft_ms",
            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
