@@ -18,12 +18,12 @@ from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import CommonAttentionMetadata, set_forward_context
 from pagellm.config import ModelConfig
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _TINY_CACHE: dict[str, str] = {}
 
 
 def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         hidden_size=64,
@@ -41,6 +41,8 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
     )
     if family == "llama":
         cfg = LlamaConfig(**{**common, "rope_theta": 10000.0, **overrides})
+    elif family == "mistral":  # sliding_window: None unless overridden
+        cfg = MistralConfig(**{**common, "rope_theta": 10000.0, "sliding_window": None, **overrides})
     elif family == "qwen2":
         cfg = Qwen2Config(**{**common, "rope_theta": 1000000.0, **overrides})
     elif family == "qwen3":  # head_dim deliberately != hidden / heads
@@ -64,7 +66,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_model(family: str, tmp_path_factory: Any, seed: int = 0, **overrides: Any) -> str:
-    """Directory of a tiny random-weight HF model of `family` ("llama" | "qwen2" | "qwen3"):
+    """Directory of a tiny random-weight HF model of `family` (one of TINY_FAMILIES):
     config.json, model.safetensors, generation_config.json and the default model's
     tokenizer (so vocab ids line up with real text). Deterministic; cached per session.
     `overrides` go into the config (e.g. tie_word_embeddings=False, rope_scaling={...})."""
@@ -146,7 +148,9 @@ class PagedRunner:
         self.kv_caches = [layer_cache() for _ in range(model_config.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
-        self.builder = attn_backend.get_builder_cls()(block_size, self.device)
+        self.builder = attn_backend.get_builder_cls()(
+            block_size, self.device, sliding_window=getattr(model, "sliding_window", None)
+        )
         self.seqs: dict[str, _Seq] = {}
 
     def add(self, seq_id: str, token_ids: list[int]) -> None:

@@ -43,7 +43,8 @@ class PrefillChunk:
     """[ceil(seq_len / block_size)] blocks holding the whole sequence; None when ctx_len is 0
     (the chunk then attends only to its own fresh K/V)."""
     mask: torch.Tensor | None
-    """[q_len, seq_len] bool, True = may attend; None when ctx_len is 0 (plain causal)."""
+    """[q_len, seq_len] bool, True = may attend; None when plain causal (ctx_len is 0 and
+    no sliding window cuts into the chunk)."""
 
 
 @dataclass
@@ -52,7 +53,7 @@ class DecodeBatch:
 
     Each request attends over its first `num_blocks` blocks (those of the longest one)
     as one padded row of num_blocks * block_size keys; `mask` hides the slots at or past
-    its seq_len.
+    its seq_len, and with a sliding window W those before seq_len - W.
     """
 
     rows: slice | torch.Tensor
@@ -105,9 +106,14 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionMetadataBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, block_size: int, device: torch.device, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.device = device
+        self.sliding_window = sliding_window
+        """The query at position p sees keys p - W + 1 .. p (W = sliding_window, as in
+        Mistral's config and transformers' masks); None = keys 0 .. p."""
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         qsl = common.query_start_loc_cpu
@@ -139,24 +145,33 @@ class TorchAttentionMetadataBuilder:
         num_blocks = max(req_blocks)  # blocks of the longest
         req_idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
         block_table = common.block_table.index_select(0, req_idx)[:, :num_blocks]
-        # Slot s of a padded row is a real key iff s < seq_len.
+        # Slot s of a padded row is a real key iff s < seq_len (and s >= seq_len - W).
         slots = torch.arange(num_blocks * self.block_size, device=self.device)
         lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
-        mask = (slots[None, :] < lens[:, None])[:, None, :]
+        mask = slots[None, :] < lens[:, None]
+        if self.sliding_window is not None:
+            mask &= slots[None, :] >= lens[:, None] - self.sliding_window
+        mask = mask[:, None, :]
         return DecodeBatch(rows=rows, block_table=block_table, mask=mask, req_blocks=req_blocks)
 
     def _build_prefill(self, common: CommonAttentionMetadata, i: int) -> PrefillChunk:
         start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]
         seq_len = common.seq_lens_cpu[i]
         ctx_len = seq_len - (end - start)
-        if ctx_len == 0:
+        window = self.sliding_window
+        if ctx_len == 0 and (window is None or seq_len <= window):
             return PrefillChunk(start, end, 0, seq_len, None, None)
-        num_blocks = -(-seq_len // self.block_size)
-        block_ids = common.block_table[i, :num_blocks]
-        # Query row r sits at position ctx_len + r and sees keys 0 .. ctx_len + r.
+        block_ids = None
+        if ctx_len > 0:
+            num_blocks = -(-seq_len // self.block_size)
+            block_ids = common.block_table[i, :num_blocks]
+        # Query row r sits at position ctx_len + r and sees keys 0 .. ctx_len + r
+        # (with a window W, only the last W of them).
         q_pos = torch.arange(ctx_len, seq_len, device=self.device)
         k_pos = torch.arange(seq_len, device=self.device)
         mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         return PrefillChunk(start, end, ctx_len, seq_len, block_ids, mask)
 
 

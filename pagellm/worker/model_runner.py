@@ -58,7 +58,9 @@ class ModelRunner:
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )
         self.attn_backend = get_attn_backend("torch")
-        self.attn_builder = self.attn_backend.get_builder_cls()(self.block_size, self.device)
+        self.attn_builder = self.attn_backend.get_builder_cls()(
+            self.block_size, self.device, sliding_window=getattr(self.model, "sliding_window", None)
+        )
         logger.info(
             "Loaded %s (%s, %s) on %s in %.2f s",
             self.model_config.model,

@@ -1,6 +1,7 @@
 """Model numerics against Hugging Face transformers on the same weights: greedy tokens of
 the default GGUF model, and last-position logits of tiny random models of every family
-(GQA, tied/untied embeddings, llama3 rope scaling, qkv bias, q/k norm, explicit head_dim).
+(GQA, tied/untied embeddings, llama3 rope scaling, Mistral's sliding window, qkv bias, q/k
+norm, explicit head_dim).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "llama-untied": ("llama", {"tie_word_embeddings": False}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "mistral-window": ("mistral", {"sliding_window": 8}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False}),
@@ -107,6 +109,35 @@ def test_tiny_model_logits_match_transformers(
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
 
 
+def test_sliding_window_through_chunks_and_decodes_matches_transformers(
+    tiny_model: Callable[..., str],
+) -> None:
+    """Window 12 over 44 tokens: a first chunk longer than the window, a chunk over cached
+    blocks, then single-token decodes; every position's logits against HF's full pass."""
+    model_dir = tiny_model("mistral", sliding_window=12)
+    tokens = [(i * 7919 + 13) % 49000 + 100 for i in range(44)]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0].float()
+    mc = make_model_config(model_dir)
+    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    assert runner.builder.sliding_window == 12
+    runner.add("s", tokens)
+    done = 0
+    for n in [20, 9] + [1] * 15:
+        logits = runner.step([("s", n)])
+        done += n
+        torch.testing.assert_close(logits[0], expected[done - 1], atol=1e-4, rtol=0, msg=f"pos {done - 1}")
+
+
+def test_qwen_partial_sliding_window_is_refused(tiny_model: Callable[..., str]) -> None:
+    mc = make_model_config(tiny_model("qwen2", use_sliding_window=True, sliding_window=16))
+    with pytest.raises(ValueError, match="use_sliding_window=True .* is not supported"):
+        get_model(mc, torch.device("cpu"))
+
+
 def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> None:
     """Guards the oracle: each case really has the property it claims to test."""
     from pagellm.model_executor.layers.rotary_embedding import get_rope_params
@@ -117,6 +148,11 @@ def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> 
         make_model_config(tiny_model("llama", tie_word_embeddings=False)), torch.device("cpu")
     )
     assert untied.lm_head is not None
+    # HF applies the window: without it the last logits of a 33-token prompt differ
+    windowed = tiny_model("mistral", sliding_window=8)
+    prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(33)]
+    full = tiny_model("mistral")  # same seed and weights, no window
+    assert not torch.allclose(_hf_last_logits(windowed, prompt), _hf_last_logits(full, prompt), atol=1e-3)
     qwen3 = make_model_config(tiny_model("qwen3"))
     assert (
         qwen3.head_dim == 32 != qwen3.hf_config.hidden_size // qwen3.hf_config.num_attention_heads

@@ -18,9 +18,15 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [(seed * 1009 + i * 7919) % 49000 + 100 for i in range(n)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_mixed_batch_matches_sequences_run_alone(tiny_model: Callable[..., str], family: str) -> None:
-    mc = make_model_config(tiny_model(family))
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 20})],
+    ids=["llama", "qwen3", "mistral-window20"],
+)
+def test_mixed_batch_matches_sequences_run_alone(
+    tiny_model: Callable[..., str], family: str, overrides: dict
+) -> None:
+    mc = make_model_config(tiny_model(family, **overrides))
     model = get_model(mc, torch.device("cpu"))
 
     def alone(tokens: list[int]) -> torch.Tensor:

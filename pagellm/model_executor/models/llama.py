@@ -167,11 +167,27 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.sliding_window = self.get_sliding_window(config)
+        """Keys a query attends to, itself included (the model runner hands it to the
+        attention metadata builder); None = the whole context."""
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return LayerOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @classmethod
+    def get_sliding_window(cls, config: Any) -> int | None:
+        """Llama attends over the whole context. Qwen configs can ask for a window on
+        only some layers (`use_sliding_window` with `max_window_layers`), which the
+        attention backend cannot express: refused rather than silently attending to all."""
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(
+                f"{cls.__name__}: use_sliding_window=True (a window on layers from "
+                "max_window_layers on) is not supported; set it to false to attend over the "
+                "whole context"
+            )
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> hidden states [T, hidden]."""
@@ -232,5 +248,12 @@ def _load_one(
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral shares Llama's layout. Sliding-window attention is not applied, so results
-    are exact only for sequences no longer than `config.sliding_window` (when set)."""
+    """Mistral shares Llama's layout; every layer attends only to the last
+    `config.sliding_window` positions when that is set (Mistral 7B v0.1: 4096)."""
+
+    @classmethod
+    def get_sliding_window(cls, config: Any) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+        return window
