@@ -82,7 +82,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     """Tensor parallelism (only 1 is supported)."""
     compilation_config: Any = None
-    """torch.compile settings: an int mode (0 = eager, >= 1 = compile the forward) or a dict of CompilationConfig fields."""
+    """torch.compile settings: an int mode (0 = eager, >= 1 = compile the forward) or a dict
+    of CompilationConfig fields. Off by default: on a 2-core CPU inductor spends over ten
+    minutes compiling the default model's shapes, for elementwise fusions worth a few
+    percent of a step (the linears, most of it, are already oneDNN kernels)."""
     enforce_eager: bool = False
     """Never use torch.compile."""
     disable_log_stats: bool = False

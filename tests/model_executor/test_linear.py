@@ -45,3 +45,18 @@ def test_non_float32_keeps_the_plain_weight() -> None:
     assert layer.packed_weight is None and layer.weight is not None
     x = torch.randn(5, 16).to(torch.bfloat16)
     torch.testing.assert_close(layer(x), F.linear(x, weight))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_packed_linear_under_torch_compile() -> None:
+    """compilation_config >= 1 compiles the forward: inductor must take the packed weight
+    (as an opaque op) and give the eager result, for more than one row count."""
+    layer = Linear(32, 24, bias=True)
+    weight, b = _loaded(layer)
+    layer.process_weights_after_loading()
+    compiled = torch.compile(lambda x: torch.relu(layer(x)) * 2, dynamic=True)
+    for rows in (5, 9):
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+        with torch.inference_mode():  # as the model runner runs its forward
+            y = compiled(x)
+        torch.testing.assert_close(y, torch.relu(F.linear(x, weight, b)) * 2, rtol=1e-5, atol=1e-5)

@@ -40,7 +40,23 @@ def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """y = x @ W.T + bias with W from `pack_weight`; x [T, in] -> y [T, out] contiguous."""
+    if torch.compiler.is_compiling():
+        return _packed_linear_op(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("pagellm::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`packed_linear` as an opaque op for torch.compile: inductor lowers the mkldnn op
+    only for weights its own freezing pass packed, and fails on ours."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
