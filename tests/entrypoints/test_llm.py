@@ -1,5 +1,6 @@
 """The offline API on the real default model: batching, preemption, prefix caching,
-seeded sampling, stop strings (the engine core runs in-process here)."""
+seeded sampling, stop strings; and a tiny sliding-window model against transformers
+(the engine core runs in-process here)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,33 @@ def test_bad_input_is_rejected_clearly(llm: LLM) -> None:
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sliding_window_model_generates_as_transformers(tiny_model) -> None:
+    """Through the whole engine (model runner -> attention builder): a Mistral with an
+    8-token window, 30-token prompts, 20 greedy tokens each, two prompts batched; HF's
+    greedy choice recomputed over the full sequence at every step is the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("mistral", sliding_window=8)
+    prompts = [[(i * 7919 + s) % 49000 + 100 for i in range(30)] for s in (13, 17)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = []
+    for prompt in prompts:
+        seq = list(prompt)
+        with torch.inference_mode():
+            for _ in range(20):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        expected.append(seq[30:])
+    llm = LLM(model_dir, multiprocess_mode=False, dtype="float32", max_model_len=128)
+    try:
+        assert llm.llm_engine.engine_core.engine_core.model_runner.attn_builder.sliding_window == 8
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert _texts(outputs) == expected
