@@ -51,9 +51,11 @@ class PrefillChunk:
 class DecodeBatch:
     """All requests with exactly one new token, attended together.
 
-    Each request attends over its first `num_blocks` blocks (those of the longest one)
-    as one padded row of num_blocks * block_size keys; `mask` hides the slots at or past
-    its seq_len, and with a sliding window W those before seq_len - W.
+    Each request attends over `num_blocks` blocks (as many as the longest one reads) as
+    one padded row of num_blocks * block_size keys; `mask` hides the slots at or past
+    its seq_len. With a sliding window W a row starts at the block holding position
+    seq_len - W (blocks before it are not read) and the mask also hides the positions
+    before seq_len - W.
     """
 
     rows: slice | torch.Tensor
@@ -61,7 +63,8 @@ class DecodeBatch:
     block_table: torch.Tensor  # [B, num_blocks]
     mask: torch.Tensor  # [B, 1, num_blocks * block_size] bool, True = real key
     req_blocks: list[int]
-    """Blocks each request actually uses (ceil(seq_len / block_size))."""
+    """Blocks each request actually reads (ceil(seq_len / block_size), less the blocks
+    skipped before a sliding window)."""
     lookups: _DecodeLookups | None = None
     """Cache row indices and score bias; made by the first layer of the step (they need
     the cache's geometry) and reused by the others."""
@@ -140,19 +143,29 @@ class TorchAttentionMetadataBuilder:
             rows = slice(token_rows[0], token_rows[0] + len(reqs))
         else:
             rows = torch.tensor(token_rows, dtype=torch.long, device=self.device)
+        bs, window = self.block_size, self.sliding_window
         seq_lens = [common.seq_lens_cpu[i] for i in reqs]
-        req_blocks = [-(-n // self.block_size) for n in seq_lens]  # ceil
-        num_blocks = max(req_blocks)  # blocks of the longest
+        # With a window, blocks wholly before it are skipped: request b's padded row
+        # starts at its block first[b] (0 without a window).
+        first = [max(0, n - window) // bs if window else 0 for n in seq_lens]
+        req_blocks = [-(-n // bs) - f for n, f in zip(seq_lens, first)]  # blocks read
+        num_blocks = max(req_blocks)
         req_idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
-        block_table = common.block_table.index_select(0, req_idx)[:, :num_blocks]
-        # Slot s of a padded row is a real key iff s < seq_len (and s >= seq_len - W).
-        slots = torch.arange(num_blocks * self.block_size, device=self.device)
-        lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)
-        mask = slots[None, :] < lens[:, None]
-        if self.sliding_window is not None:
-            mask &= slots[None, :] >= lens[:, None] - self.sliding_window
-        mask = mask[:, None, :]
-        return DecodeBatch(rows=rows, block_table=block_table, mask=mask, req_blocks=req_blocks)
+        table = common.block_table.index_select(0, req_idx)
+        start = torch.tensor(first, dtype=torch.long, device=self.device)[:, None]
+        if any(first):
+            cols = (start + torch.arange(num_blocks, device=self.device)).clamp_(max=table.shape[1] - 1)
+            block_table = table.gather(1, cols)
+        else:
+            block_table = table[:, :num_blocks]
+        # Slot s of padded row b holds position first[b] * bs + s: a real key iff that is
+        # below seq_len (and, with a window W, at least seq_len - W).
+        pos = start * bs + torch.arange(num_blocks * bs, device=self.device)
+        lens = torch.tensor(seq_lens, dtype=torch.long, device=self.device)[:, None]
+        mask = pos < lens
+        if window is not None:
+            mask &= pos >= lens - window
+        return DecodeBatch(rows=rows, block_table=block_table, mask=mask[:, None, :], req_blocks=req_blocks)
 
     def _build_prefill(self, common: CommonAttentionMetadata, i: int) -> PrefillChunk:
         start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]

@@ -103,3 +103,26 @@ def test_foreign_cache_layout_is_refused() -> None:
     cache = torch.zeros(6, 4, 2, 8)  # block-major: not what allocate_kv_cache returns
     with pytest.raises(ValueError, match="allocate_kv_cache"):
         torch_backend._storage(cache, cache)
+
+
+def test_sliding_window_decode_skips_blocks_before_the_window() -> None:
+    """Window 20, block size 16: a 100-token request reads only blocks 5 and 6 (positions
+    80..111, keys 80..99 unmasked); a 10-token one next to it reads its single block."""
+    from pagellm.attention.backend import CommonAttentionMetadata
+
+    table = torch.tensor([[40, 41, 42, 43, 44, 45, 46], [7, 0, 0, 0, 0, 0, 0]])
+    common = CommonAttentionMetadata(
+        num_reqs=2, num_actual_tokens=2, query_start_loc=torch.tensor([0, 1, 2]),
+        seq_lens=torch.tensor([100, 10]), block_table=table,
+        slot_mapping=torch.tensor([46 * 16 + 3, 7 * 16 + 9]), query_start_loc_cpu=[0, 1, 2],
+        seq_lens_cpu=[100, 10], max_query_len=1, max_seq_len=100, block_size=16,
+    )  # fmt: skip
+    builder = torch_backend.TorchAttentionMetadataBuilder(16, torch.device("cpu"), sliding_window=20)
+    dec = builder.build(common).decode
+    assert dec.req_blocks == [2, 1]
+    assert dec.block_table[0].tolist() == [45, 46]
+    assert dec.block_table[1, 0].item() == 7
+    assert dec.mask[0, 0].nonzero().flatten().tolist() == list(range(0, 20))  # 80..99
+    assert dec.mask[1, 0].nonzero().flatten().tolist() == list(range(0, 10))
+    full = torch_backend.TorchAttentionMetadataBuilder(16, torch.device("cpu")).build(common).decode
+    assert full.req_blocks == [7, 1] and int(full.mask[0, 0].sum()) == 100
