@@ -22,6 +22,11 @@ TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _TINY_CACHE: dict[str, str] = {}
 
 
+def token_ids(n: int, offset: int = 13) -> list[int]:
+    """n deterministic ids spread over the default vocabulary's ordinary tokens."""
+    return [(i * 7919 + offset) % 49000 + 100 for i in range(n)]
+
+
 def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -162,8 +162,10 @@ def test_sliding_window_model_generates_as_transformers(tiny_model) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tests.utils import token_ids
+
     model_dir = tiny_model("mistral", sliding_window=8)
-    prompts = [[(i * 7919 + s) % 49000 + 100 for i in range(30)] for s in (13, 17)]
+    prompts = [token_ids(30, offset) for offset in (13, 17)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     expected = []
     for prompt in prompts:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagellm.model_executor.loader import get_model, load_tokenizer
-from tests.utils import PagedRunner, make_model_config
+from tests.utils import PagedRunner, make_model_config, token_ids
 
 NEW_TOKENS = 64
 LLAMA3_ROPE = {
@@ -100,7 +100,7 @@ def test_tiny_model_logits_match_transformers(
 ) -> None:
     family, overrides = TINY_CASES[case]
     model_dir = tiny_model(family, **overrides)
-    prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(length)]
+    prompt = token_ids(length)
     mc = make_model_config(model_dir)
     runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
     runner.add("s", prompt)
@@ -115,7 +115,7 @@ def test_sliding_window_through_chunks_and_decodes_matches_transformers(
     """Window 12 over 44 tokens: a first chunk longer than the window, a chunk over cached
     blocks, then single-token decodes; every position's logits against HF's full pass."""
     model_dir = tiny_model("mistral", sliding_window=12)
-    tokens = [(i * 7919 + 13) % 49000 + 100 for i in range(44)]
+    tokens = token_ids(44)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -150,7 +150,7 @@ def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> 
     assert untied.lm_head is not None
     # HF applies the window: without it the last logits of a 33-token prompt differ
     windowed = tiny_model("mistral", sliding_window=8)
-    prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(33)]
+    prompt = token_ids(33)
     full = tiny_model("mistral")  # same seed and weights, no window
     assert not torch.allclose(_hf_last_logits(windowed, prompt), _hf_last_logits(full, prompt), atol=1e-3)
     qwen3 = make_model_config(tiny_model("qwen3"))
@@ -239,7 +239,7 @@ def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tm
     path = _write_llama_gguf(model_dir, str(tmp_path / "tiny-llama3.gguf"), factors)
     mc = make_model_config(path)
     assert mc.hf_config.rope_freq_factors == pytest.approx(factors)
-    prompt = [(i * 7919 + 13) % 49000 + 100 for i in range(130)]  # past original 64 positions
+    prompt = token_ids(130)  # past original 64 positions
     runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
     runner.add("s", prompt)
     logits = runner.step([("s", len(prompt))])
