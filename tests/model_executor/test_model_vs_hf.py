@@ -132,6 +132,12 @@ def test_sliding_window_through_chunks_and_decodes_matches_transformers(
         torch.testing.assert_close(logits[0], expected[done - 1], atol=1e-4, rtol=0, msg=f"pos {done - 1}")
 
 
+def test_non_positive_sliding_window_is_refused(tiny_model: Callable[..., str]) -> None:
+    mc = make_model_config(tiny_model("mistral", sliding_window=0))
+    with pytest.raises(ValueError, match="sliding_window must be a positive number of tokens, got 0"):
+        get_model(mc, torch.device("cpu"))
+
+
 def test_qwen_partial_sliding_window_is_refused(tiny_model: Callable[..., str]) -> None:
     mc = make_model_config(tiny_model("qwen2", use_sliding_window=True, sliding_window=16))
     with pytest.raises(ValueError, match="use_sliding_window=True .* is not supported"):
