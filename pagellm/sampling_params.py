@@ -112,16 +112,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < -1:
-            raise bad("logprobs", "-1 (full vocabulary) or non-negative", self.logprobs)
-        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
-            raise bad("prompt_logprobs", "-1 (full vocabulary) or non-negative", self.prompt_logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise bad(name, "an integer, -1 (full vocabulary) or non-negative", value)
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text).")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", "a signed 64-bit integer", self.seed)
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -35,6 +35,7 @@ class EngineCore:
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         num_blocks = self.model_runner.determine_num_blocks()
+        _check_pool_holds_a_sequence(config, num_blocks)
         self.model_runner.initialize_kv_cache(num_blocks)
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=num_blocks)
@@ -115,6 +116,19 @@ class EngineCore:
 
     def shutdown(self) -> None:
         pass
+
+
+def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:
+    """A pool that cannot hold one max_model_len sequence would cut long requests short
+    at run time; refuse at start instead and say what would fit (as vLLM does)."""
+    block_size, max_len = config.cache_config.block_size, config.model_config.max_model_len
+    holds = (num_blocks - 1) * block_size  # block 0 is the null block
+    if holds < max_len:
+        raise ValueError(
+            f"The KV cache holds {holds} tokens ({num_blocks - 1} blocks of {block_size}), fewer "
+            f"than one sequence of max_model_len={max_len}; lower max_model_len to at most {holds} "
+            "or give the cache more room (kv_cache_memory_bytes, num_gpu_blocks_override)."
+        )
 
 
 def _set_num_threads(config: EngineConfig) -> None:

@@ -9,6 +9,7 @@ and when its parent process dies.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import pickle
 import queue
@@ -41,8 +42,13 @@ class EngineCoreProc:
     def __init__(self, engine: EngineCore, input_address: str, output_address: str, rank: int):
         self.engine = engine
         self.rank = rank
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
+        self.aborts_queue: queue.Queue[tuple[int, list[str]]] = queue.Queue()
+        # An abort goes into both queues (the forward may be running when it arrives);
+        # whichever copy the busy loop meets first applies it, the other is skipped, so
+        # a late copy cannot hit a new request that reuses the id.
+        self._abort_seq = itertools.count()
+        self._aborts_applied: set[int] = set()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = False
         self.engine.pending_aborts_hook = self._apply_pending_aborts
@@ -66,16 +72,25 @@ class EngineCoreProc:
             if not sock.poll(_POLL_MS):
                 continue
             kind, payload = sock.recv_multipart(copy=False)
-            req_type = EngineCoreRequestType(bytes(kind.buffer))
-            if req_type == EngineCoreRequestType.ADD:
-                request = serial.request_decoder.decode(payload.buffer)
-                self.input_queue.put((req_type, self.engine.preprocess_add_request(request)))
-            elif req_type == EngineCoreRequestType.ABORT:
-                ids = serial.abort_decoder.decode(payload.buffer)
-                self.aborts_queue.put(ids)
-                self.input_queue.put((req_type, ids))
-            else:
-                self.input_queue.put((req_type, serial.utility_decoder.decode(payload.buffer)))
+            try:
+                self._receive(EngineCoreRequestType(bytes(kind.buffer)), payload.buffer)
+            except Exception as e:
+                # A message this core cannot read: its sender would wait forever for an
+                # answer, so the core dies and every client gets EngineDeadError.
+                logger.error("Engine core %d could not read a message:\n%s", self.rank, traceback.format_exc())
+                self.input_queue.put((None, e))
+                return
+
+    def _receive(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+        if req_type == EngineCoreRequestType.ADD:
+            request = serial.request_decoder.decode(payload)
+            self.input_queue.put((req_type, self.engine.preprocess_add_request(request)))
+        elif req_type == EngineCoreRequestType.ABORT:
+            item = (next(self._abort_seq), serial.abort_decoder.decode(payload))
+            self.aborts_queue.put(item)
+            self.input_queue.put((req_type, item))
+        else:
+            self.input_queue.put((req_type, serial.utility_decoder.decode(payload)))
 
     def _output_loop(self, address: str) -> None:
         ctx = zmq.Context.instance()
@@ -99,6 +114,7 @@ class EngineCoreProc:
                 break
             outputs, _ = self.engine.step()
             for out in outputs.values():
+                out.engine_index = self.rank  # the DP client balances on per-engine counts
                 self.output_queue.put(out)
 
     def _process_input_queue(self) -> None:
@@ -115,11 +131,13 @@ class EngineCoreProc:
             except queue.Empty:
                 return
 
-    def _handle(self, req_type: EngineCoreRequestType, payload: Any) -> None:
+    def _handle(self, req_type: EngineCoreRequestType | None, payload: Any) -> None:
+        if req_type is None:  # the input thread failed
+            raise RuntimeError("the engine core's input thread failed") from payload
         if req_type == EngineCoreRequestType.ADD:
             self.engine.add_request(payload)
         elif req_type == EngineCoreRequestType.ABORT:
-            self.engine.abort_requests(payload)
+            self._abort_once(*payload)
         else:
             call_id, method, args = payload
             try:
@@ -134,9 +152,16 @@ class EngineCoreProc:
         aborted while the forward ran emits nothing more."""
         while True:
             try:
-                self.engine.abort_requests(self.aborts_queue.get_nowait())
+                self._abort_once(*self.aborts_queue.get_nowait())
             except queue.Empty:
                 return
+
+    def _abort_once(self, seq: int, request_ids: list[str]) -> None:
+        if seq in self._aborts_applied:  # the other copy got here first
+            self._aborts_applied.remove(seq)
+            return
+        self._aborts_applied.add(seq)
+        self.engine.abort_requests(request_ids)
 
     def send_dead(self) -> None:
         self.output_queue.put(ENGINE_CORE_DEAD)

@@ -96,19 +96,25 @@ class AsyncLLM:
             )
         self._run_output_handler()
         queue = RequestOutputCollector(request.sampling_params.output_kind, request_id)
-        n = request.sampling_params.n
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text, None, 0, queue)
-            await self.engine_core.add_request_async(request)
-            return queue
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
-            child = EngineCoreRequest(
-                child_id, request.prompt_token_ids, child_params, request.arrival_time,
-                request.priority, request.data_parallel_rank, request.client_index,
-            )
-            self.output_processor.add_request(child, prompt_text, parent, index, queue)
-            await self.engine_core.add_request_async(child)
+        try:
+            if request.sampling_params.n == 1:
+                self.output_processor.add_request(request, prompt_text, None, 0, queue)
+                await self.engine_core.add_request_async(request)
+                return queue
+            parent = ParentRequest(request_id, request.sampling_params)
+            for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
+                child = EngineCoreRequest(
+                    child_id, request.prompt_token_ids, child_params, request.arrival_time,
+                    request.priority, request.data_parallel_rank, request.client_index,
+                )
+                self.output_processor.add_request(child, prompt_text, parent, index, queue)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            # A failed add leaves nothing behind: the id can be used again.
+            internal = self.output_processor.abort_requests([request_id])
+            if internal and not self.errored:
+                await self.engine_core.abort_requests_async(internal)
+            raise
         return queue
 
     async def generate(

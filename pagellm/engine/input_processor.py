@@ -18,8 +18,9 @@ PromptType = str | dict[str, Any] | list[int]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any):
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, data_parallel_size: int = 1):
         self.model_config = model_config
+        self.data_parallel_size = data_parallel_size
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = _eos_token_id(model_config, tokenizer)
@@ -55,6 +56,16 @@ class InputProcessor:
         add_special_tokens: bool = True,
         data_parallel_rank: int | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        # Checked here, in the caller: a field of the wrong type would fail only when the
+        # engine core decodes the message, far from the request that caused it.
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if data_parallel_rank is not None and not (
+            isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < self.data_parallel_size
+        ):
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank!r} is out of range [0, {self.data_parallel_size})."
+            )
         prompt_text, prompt_ids = self.tokenize_prompt(prompt, add_special_tokens)
         self._validate_prompt(prompt_ids)
         params = self._complete_params(params, len(prompt_ids))

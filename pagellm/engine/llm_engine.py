@@ -27,7 +27,7 @@ def load_frontend(config: EngineConfig) -> tuple[Any, InputProcessor]:
     from pagellm.model_executor.loader import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_config.model_path, config.model_config.tokenizer)
-    return tokenizer, InputProcessor(config.model_config, tokenizer)
+    return tokenizer, InputProcessor(config.model_config, tokenizer, config.parallel_config.data_parallel_size)
 
 
 def start_frontend_and_core(config: EngineConfig, make_client: Callable[[], EngineCoreClient]) -> tuple[Any, InputProcessor, EngineCoreClient]:
@@ -84,16 +84,19 @@ class LLMEngine:
         request, prompt_text = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time or time.time(), priority, add_special_tokens
         )
-        n = request.sampling_params.n
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
-            child = _with(request, child_id, child_params)
-            self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_core.add_request(child)
+        try:
+            if request.sampling_params.n == 1:
+                self.output_processor.add_request(request, prompt_text)
+                self.engine_core.add_request(request)
+                return
+            parent = ParentRequest(request_id, request.sampling_params)
+            for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
+                child = _with(request, child_id, child_params)
+                self.output_processor.add_request(child, prompt_text, parent, index)
+                self.engine_core.add_request(child)
+        except BaseException:
+            self.abort_request([request_id])  # a failed add leaves nothing behind
+            raise
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -48,11 +50,36 @@ def apply_chat_template(
         raise ValueError(
             "The model's tokenizer has no chat template; pass chat_template= (or --chat-template)."
         )
-    return tokenizer.apply_chat_template(
-        messages,
-        chat_template=template,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message,
-        **kwargs,
-    )
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+    except jinja2.TemplateError as e:  # a syntax error, or the template's raise_exception()
+        raise ValueError(f"The chat template failed: {type(e).__name__}: {e}") from e
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path or the Jinja text itself. A value with no Jinja
+    markup that names no file is a mistyped path, refused rather than used as the
+    template (which would replace every conversation with the path's text)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            text = f.read()
+        if text.lstrip().startswith('"'):  # a JSON-quoted template string
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                pass
+        return text
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat template {value!r} looks like a file path, but no such file exists")
+    return value

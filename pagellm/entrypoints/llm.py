@@ -107,7 +107,13 @@ class LLM:
         except Exception:
             self.llm_engine.abort_request(added)  # nothing half-added stays in the engine
             raise
-        return self._run_engine(len(added), use_tqdm)
+        try:
+            return self._run_engine(len(added), use_tqdm)
+        except BaseException:
+            # Ctrl-C or a failed step: the call's requests end here, so they hold no KV
+            # blocks and the next call neither waits for them nor returns their outputs.
+            self.llm_engine.abort_request(added)
+            raise
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
         bar = None

@@ -43,6 +43,12 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.model: torch.nn.Module | None = None
         self._forward = None
+        # What outlives a preemption (the batch row does not), kept until the request
+        # finishes: its seeded generator, so a resumed request samples on from where it
+        # was, and how far its prompt logprobs were sent, so recomputing the prompt does
+        # not send them twice.
+        self._parked_generators: dict[str, torch.Generator] = {}
+        self._prompt_logprobs_end: dict[str, int] = {}
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -160,13 +166,18 @@ class ModelRunner:
             self._zero_blocks(new_blocks)
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
+            self._parked_generators.pop(req_id, None)
+            self._prompt_logprobs_end.pop(req_id, None)
         for req_id in sched.preempted_req_ids:
+            state = batch.states.get(req_id)
+            if state is not None and state.generator is not None:
+                self._parked_generators[req_id] = state.generator
             batch.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # resumed after preemption: start afresh
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
+            generator = self._parked_generators.pop(new.req_id, None)
+            if generator is None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
             state = CachedRequestState(
@@ -279,11 +290,14 @@ class ModelRunner:
             params = batch.states[req_ids[i]].sampling_params
             if params.prompt_logprobs is None:
                 continue
-            start = int(inputs.positions_np[inputs.cu[i]])
-            end = min(start + int(inputs.num_sched[i]), int(batch.num_prompt_tokens[row]) - 1)
+            chunk_start = int(inputs.positions_np[inputs.cu[i]])
+            # after a preemption the prompt is computed again: skip what was sent
+            start = max(chunk_start, self._prompt_logprobs_end.get(req_ids[i], 0))
+            end = min(chunk_start + int(inputs.num_sched[i]), int(batch.num_prompt_tokens[row]) - 1)
             if end <= start:
                 continue
-            first = int(inputs.cu[i])
+            self._prompt_logprobs_end[req_ids[i]] = end
+            first = int(inputs.cu[i]) + start - chunk_start
             h = hidden[first : first + (end - start)]
             targets = torch.from_numpy(batch.token_ids[row, start + 1 : end + 1].copy()).to(self.device)
             k = params.prompt_logprobs if params.prompt_logprobs >= 0 else self.model_config.vocab_size

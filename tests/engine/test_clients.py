@@ -19,6 +19,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
+from pagellm.metrics.loggers import LoggingStatLogger
 from pagellm.sampling_params import RequestOutputKind
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "The sky is"]
@@ -63,7 +64,8 @@ def test_sync_mp_client_matches_inproc(reference_tokens) -> None:
 async def test_async_and_dplb_match_inproc(reference_tokens) -> None:
     before = {p.pid for p in _engine_children()}
     for dp in (1, 2):
-        engine = AsyncLLM.from_engine_args(EngineArgs(data_parallel_size=dp))
+        stats = LoggingStatLogger(dp)
+        engine = AsyncLLM.from_engine_args(EngineArgs(data_parallel_size=dp), stat_loggers=[stats])
         try:
             expected = "AsyncMPClient" if dp == 1 else "DPLBAsyncMPClient"
             assert type(engine.engine_core).__name__ == expected
@@ -76,6 +78,8 @@ async def test_async_and_dplb_match_inproc(reference_tokens) -> None:
                 assert all(o.finished for o in outs)
                 sent = engine.engine_core.requests_sent
                 assert sent[0] > 0 and sent[1] > 0 and sent[0] + sent[1] == 36
+            # each engine's outputs carry its own index (the balancer reads its load by it)
+            assert sorted(stats.sched) == list(range(dp))
         finally:
             engine.shutdown()
     assert [p for p in _engine_children() if p.pid not in before] == []

@@ -50,6 +50,16 @@ def test_bad_flag_values_are_rejected() -> None:
     assert "dtype must be one of auto, float32, bfloat16, float16; got 'float8'" in result.stderr
 
 
+def test_a_chat_template_path_that_does_not_exist_is_refused() -> None:
+    """A mistyped --chat-template path must not become the template text itself."""
+    for cmd in (("serve",), ("chat", "--message", "Hi!")):
+        result = _pagellm(*cmd, "--chat-template", "./no_such_template.jinja")
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().endswith(
+            "error: chat template './no_such_template.jinja' looks like a file path, but no such file exists"
+        ), result.stderr[-2000:]
+
+
 def test_swap_space_is_accepted_with_a_deprecation_warning() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -56,7 +56,7 @@ def test_preemption_keeps_results_and_frees_blocks(llm: LLM, monkeypatch) -> Non
     expected = _texts(llm.generate(PROMPTS[:8], GREEDY, use_tqdm=False))
     monkeypatch.setenv("PAGELLM_CHECK_INVARIANTS", "1")
     # 8 prompts of ~6 tokens + 24 outputs need ~2 blocks each; 10 blocks force preemption.
-    small = LLM(multiprocess_mode=False, num_gpu_blocks_override=10, block_size=8, max_num_seqs=8)
+    small = LLM(multiprocess_mode=False, num_gpu_blocks_override=10, block_size=8, max_num_seqs=8, max_model_len=72)
     try:
         core = _core(small)
         assert core.check_invariants
@@ -150,8 +150,20 @@ def test_bad_input_is_rejected_clearly(llm: LLM) -> None:
         SamplingParams(top_p=1.5)
     with pytest.raises(TypeError, match="Unknown engine argument.*not_an_option"):
         LLM(not_an_option=1)
+    with pytest.raises(ValueError, match=(
+        r"The KV cache holds 72 tokens \(9 blocks of 8\), fewer than one sequence of max_model_len=73; "
+        "lower max_model_len to at most 72")):
+        LLM(multiprocess_mode=False, num_gpu_blocks_override=10, block_size=8, max_model_len=73)
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["x"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="seed must be a signed 64-bit integer, got 1180591620717411303424"):
+        SamplingParams(seed=2**70)
+    # a template's own raise_exception (e.g. "roles must alternate") and a syntax error
+    with pytest.raises(ValueError, match="chat template failed: TemplateError: roles must alternate"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False,
+                 chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="chat template failed: TemplateSyntaxError"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template="{% if %}")
     assert not llm.llm_engine.has_unfinished_requests()
 
 

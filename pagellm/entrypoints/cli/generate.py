@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.chat_utils import load_chat_template
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -76,19 +77,10 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_template(value: str | None) -> str | None:
-    import os
-
-    if value and os.path.isfile(value):
-        with open(value) as f:
-            return f.read()
-    return value
-
-
 def run_chat(args: argparse.Namespace) -> int:
+    template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     llm = _make_llm(args)
     params = sampling_params_from_args(args)
-    template = _load_template(args.chat_template)
     history: list[dict[str, str]] = []
     if args.system_prompt:
         history.append({"role": "system", "content": args.system_prompt})

@@ -14,6 +14,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     p.add_argument("--api-key", default=None, help="Require this key as 'Authorization: Bearer KEY'.")
     p.add_argument("--chat-template", default=None, help="Chat template (file path or Jinja text).")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Let requests bring their own chat template (chat_template, or "
+                        "chat_template_kwargs.chat_template); refused with 400 otherwise, since "
+                        "the server runs it.")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)

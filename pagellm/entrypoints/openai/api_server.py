@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import Any
 
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.chat_utils import apply_chat_template
+from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,26 +45,56 @@ def _error(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.response().model_dump(), status_code=int(e.status))
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict)$|[(\[]")
+"""A pydantic location part naming the union member tried (`str`, `list[int]`), not a field."""
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request body.", None
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = ".".join(p for p in loc if not _UNION_MEMBER.search(p)) or None
     if err.get("type") == "json_invalid":
         return f"Invalid JSON in the request body: {err.get('msg')}", None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if param:
-        return f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param
+        got = repr(err.get("input"))
+        if len(got) > 100:
+            got = got[:100] + "..."
+        return f"Invalid value for '{param}': {msg} (got {got}).", param
     return msg, None
 
 
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Runs a handler until it answers or the client goes away; a client that disconnects
+    before a (non-streaming) answer cancels the handler, which aborts its requests and
+    frees their KV blocks instead of generating for nobody."""
+    handler = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not handler.done():
+        handler.cancel()
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+    return handler.result()
+
+
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None, metrics: PrometheusStatLogger | None = None) -> FastAPI:
+              chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics,
+                             trust_request_chat_template=trust_request_chat_template)
     app.state.engine = engine
 
     @app.exception_handler(RequestValidationError)
@@ -96,12 +126,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return JSONResponse(result.model_dump())
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest) -> Response:
-        return await respond(completions.create(request))
+    async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(completions.create(request)))
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest) -> Response:
-        return await respond(chat.create(request))
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(chat.create(request)))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -158,10 +188,10 @@ def run_server(args: Any) -> int:
 
     from pagellm.engine.arg_utils import EngineArgs
 
+    chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()
     names = [args.served_model_name] if args.served_model_name else [config.model_config.served_model_name]
-    chat_template = _load_chat_template(args.chat_template)
     num_engines = config.parallel_config.data_parallel_size
     prometheus = PrometheusStatLogger(names[0], num_engines)
     log_logger = LoggingStatLogger(num_engines)
@@ -171,7 +201,8 @@ def run_server(args: Any) -> int:
     logger.info("Model %s (%s), dtype %s, max_model_len %d, %d KV blocks of %d tokens, %d engine(s)",
                 mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
-    app = build_app(engine, names, args.api_key, chat_template, prometheus)
+    app = build_app(engine, names, args.api_key, chat_template, prometheus,
+                    trust_request_chat_template=args.trust_request_chat_template)
 
     @app.on_event("startup")
     async def _start_logging() -> None:
@@ -186,15 +217,3 @@ def run_server(args: Any) -> int:
         engine.shutdown()
     return 0
 
-
-def _load_chat_template(value: str | None) -> str | None:
-    import os
-
-    if value and os.path.isfile(value):
-        with open(value) as f:
-            text = f.read()
-        try:
-            return json.loads(text) if text.lstrip().startswith('"') else text
-        except json.JSONDecodeError:
-            return text
-    return value

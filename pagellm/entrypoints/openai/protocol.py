@@ -50,7 +50,7 @@ class SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -131,7 +131,9 @@ class CompletionRequest(SamplingFields):
         return self
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        # echo with logprobs scores the echoed prompt too
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatCompletionRequest(SamplingFields):

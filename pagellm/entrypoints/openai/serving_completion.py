@@ -11,7 +11,6 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     random_id,
 )
 from pagellm.entrypoints.openai.serving_engine import (
@@ -20,6 +19,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     merge_generators,
     sse,
+    usage,
 )
 from pagellm.outputs import CompletionOutput, RequestOutput
 
@@ -46,7 +46,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_token_ids(ids, "prompt")
                 text = None
             max_tokens = self.validate_length(ids, request.max_tokens)
-            prepared.append((text, ids, request.to_sampling_params(max_tokens)))
+            params = request.to_sampling_params(max_tokens)
+            self.check_sampling_params(params)
+            prepared.append((text, ids, params))
         return prepared
 
     async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
@@ -75,66 +77,90 @@ class OpenAIServingCompletion(OpenAIServing):
             prefix = (text if text is not None else self.tokenizer.decode(ids)) if request.echo else ""
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
+                lp = None
+                if request.logprobs is not None:
+                    lp = self._logprobs(*self._scored(request, ids, out.prompt_logprobs, c))
                 choices.append(CompletionChoice(
                     index=i * request.n + c.index,
                     text=prefix + c.text,
-                    logprobs=self._logprobs(c, len(prefix)) if request.logprobs is not None else None,
+                    logprobs=lp,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 ))
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-        return CompletionResponse(id=base_id, model=self._model_name(request), choices=choices, usage=usage)
+        return CompletionResponse(id=base_id, model=self._model_name(request), choices=choices,
+                                  usage=usage(prompt_tokens, completion_tokens))
 
     def _model_name(self, request: CompletionRequest) -> str:
         return request.model or self.served_model_names[0]
 
-    def _logprobs(self, c: CompletionOutput, offset: int, token_ids: list[int] | None = None,
-                  logprobs: list | None = None) -> CompletionLogprobs:
-        token_ids = c.token_ids if token_ids is None else token_ids
-        logprobs = (c.logprobs or []) if logprobs is None else logprobs
+    @staticmethod
+    def _scored(request: CompletionRequest, prompt_ids: list[int], prompt_logprobs: list | None,
+                c: CompletionOutput) -> tuple[list[int], list]:
+        """The tokens a choice's logprobs cover and their entries: with echo the prompt's
+        tokens come first (the first has no entry: nothing predicts it), as in OpenAI's
+        legacy API."""
+        if request.echo:
+            return [*prompt_ids, *c.token_ids], [*(prompt_logprobs or [None] * len(prompt_ids)), *(c.logprobs or [])]
+        return list(c.token_ids), list(c.logprobs or [])
+
+    def _logprobs(self, token_ids: list[int], logprobs: list, offset: int = 0) -> CompletionLogprobs:
         result = CompletionLogprobs()
         for tok, entry in zip(token_ids, logprobs):
             token_text = self.tokenizer.decode([tok])
             result.tokens.append(token_text)
-            result.token_logprobs.append(entry[tok].logprob if tok in entry else None)
-            result.top_logprobs.append({
-                (lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([t])): lp.logprob
-                for t, lp in entry.items()
-            })
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                result.token_logprobs.append(entry[tok].logprob if tok in entry else None)
+                result.top_logprobs.append({
+                    (lp.decoded_token if lp.decoded_token is not None else self.tokenizer.decode([t])): lp.logprob
+                    for t, lp in entry.items()
+                })
             result.text_offset.append(offset)
             offset += len(token_text)
         return result
 
     async def _stream(self, request: CompletionRequest, base_id: str, prepared: list, gens: list) -> AsyncIterator[str]:
         model = self._model_name(request)
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
         completion_tokens = 0
         echoed: set[int] = set()
         offsets: dict[int, int] = {}
+        prompt_lps: dict[int, list] = {}
         try:
             async for i, out in merge_generators(gens):
                 text_p, ids, _ = prepared[i]
+                if out.prompt_logprobs is not None:
+                    prompt_lps.setdefault(i, out.prompt_logprobs)
                 for c in out.outputs:
                     index = i * request.n + c.index
                     text = c.text
-                    if request.echo and index not in echoed:
+                    first = request.echo and index not in echoed
+                    if first:
                         echoed.add(index)
                         text = (text_p if text_p is not None else self.tokenizer.decode(ids)) + text
                     completion_tokens += len(c.token_ids)
                     lp = None
                     if request.logprobs is not None:
-                        lp = self._logprobs(c, offsets.get(index, 0))
+                        token_ids, entries = list(c.token_ids), list(c.logprobs or [])
+                        if first:  # the echoed prompt's tokens lead the first chunk
+                            token_ids = [*ids, *token_ids]
+                            entries = [*prompt_lps.get(i, [None] * len(ids)), *entries]
+                        lp = self._logprobs(token_ids, entries, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
-                    chunk = CompletionResponse(id=base_id, model=model, choices=[CompletionChoice(
-                        index=index, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    )])
-                    yield sse(chunk)
+                    yield sse(CompletionResponse(
+                        id=base_id, model=model,
+                        choices=[CompletionChoice(index=index, text=text, logprobs=lp,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                        usage=usage(prompt_tokens, completion_tokens) if continuous else None,
+                    ))
             if include_usage:
-                prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
-                yield sse(CompletionResponse(id=base_id, model=model, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=base_id, model=model, choices=[],
+                                             usage=usage(prompt_tokens, completion_tokens)))
         except Exception as e:
             yield sse(as_openai_error(e).response())
         yield SSE_DONE

@@ -11,8 +11,9 @@ from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
-from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 
 class OpenAIError(Exception):
@@ -44,8 +45,9 @@ def engine_dead_error() -> OpenAIError:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
-                 metrics: Any = None):
+                 metrics: Any = None, trust_request_chat_template: bool = False):
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
@@ -81,6 +83,15 @@ class OpenAIServing:
                 param=param,
             )
         return max_tokens
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """The token ids the params name (stop_token_ids, logit_bias, allowed_token_ids)
+        are checked here, before a stream's 200 goes out, not when generation starts."""
+        try:
+            params.verify_token_ids(self.engine.model_config.vocab_size)
+        except ValueError as e:
+            param = next((n for n in ("stop_token_ids", "allowed_token_ids", "logit_bias") if str(e).startswith(n)), None)
+            raise OpenAIError(str(e), param=param) from e
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.model_config.vocab_size
@@ -125,6 +136,11 @@ async def merge_generators(gens: list[AsyncGenerator[RequestOutput, None]]) -> A
             t.cancel()
         for g in gens:
             await g.aclose()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def sse(payload: Any) -> str:

@@ -86,7 +86,14 @@ def test_chat_equals_llm_chat_and_stream(client, model, llm) -> None:
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
     content = resp.choices[0].logprobs.content
     assert len(content) == len(ref.outputs[0].token_ids)
-    assert all(len(c.top_logprobs) >= 3 for c in content)
+    # exactly top_logprobs alternatives per token, the most likely first (OpenAI's shape)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+    for c, entry in zip(content, ref.outputs[0].logprobs):
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.top_logprobs[0].logprob == pytest.approx(max(lp.logprob for lp in entry.values()), abs=1e-3)
+    none = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=0)
+    assert [len(c.top_logprobs) for c in none.choices[0].logprobs.content] == [0, 0, 0, 0]
 
     chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=24, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
@@ -160,6 +167,11 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "gpt-4"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"},
+     400, "--trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, 400, "--trust-request-chat-template"),
 ]
 
 
@@ -176,6 +188,16 @@ def test_bad_requests_get_openai_errors(server) -> None:
             assert set(err) == {"message", "type", "param", "code"}
             assert err["code"] == status
             assert needle.lower() in err["message"].lower(), (body, err)
+        # a union-typed field is named as itself, not as the union member pydantic tried
+        err = http.post("/v1/completions", json={"prompt": 5}, headers=headers).json()["error"]
+        assert err["param"] == "prompt" and "prompt." not in err["message"]
+        # streamed requests are checked before the 200 goes out, like unstreamed ones
+        for body in ({"prompt": "x", "stop_token_ids": [99999999]}, {"prompt": "x", "logit_bias": {"99999999": 1}}):
+            r = http.post("/v1/completions", json={**body, "max_tokens": 3, "stream": True}, headers=headers)
+            assert r.status_code == 400 and "99999999" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/chat/completions", headers=headers, json={
+            "messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [99999999], "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
         missing_key = http.post("/v1/completions", json={"prompt": "x"})
         assert missing_key.status_code == 401 and "API key" in missing_key.json()["error"]["message"]
         wrong_key = http.get("/v1/models", headers={"Authorization": "Bearer nope"})
@@ -219,3 +241,62 @@ def test_tokenize_detokenize_version_models(server, client, model) -> None:
         assert http.get("/version").json()["version"]
     models = client.models.list().data
     assert [m.id for m in models] == [model] and models[0].max_model_len == 1024
+
+
+def test_client_gone_before_an_unstreamed_answer_aborts_it(server, model) -> None:
+    aborts_before = server.metric('pagellm:request_success_total{engine="0",finished_reason="abort"')
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 900, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=2)
+    import time
+
+    for _ in range(100):  # 900 tokens take minutes; the abort comes within a step
+        running = server.metric("pagellm:num_requests_running")
+        aborted = server.metric('pagellm:request_success_total{engine="0",finished_reason="abort"')
+        if running == 0 and aborted > aborts_before:
+            break
+        time.sleep(0.1)
+    assert running == 0 and aborted == aborts_before + 1  # one request (its two choices)
+    assert server.metric("pagellm:kv_cache_usage_perc") == 0.0
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, model, llm) -> None:
+    ref = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp = resp.choices[0].logprobs
+    ids = [*ref.prompt_token_ids, *ref.outputs[0].token_ids]
+    assert len(lp.tokens) == len(ids) == 5 + 3
+    assert "".join(lp.tokens) == resp.choices[0].text == PROMPT + ref.outputs[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts it
+    for got, tok, entry in zip(lp.token_logprobs[1:], ids[1:], [*ref.prompt_logprobs[1:], *ref.outputs[0].logprobs]):
+        assert got == pytest.approx(entry[tok].logprob, abs=1e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_continuous_usage_and_chat_echo(client, model) -> None:
+    chunks = list(client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, logprobs=0,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    # every chunk counts the tokens streamed so far (its logprobs name its own tokens)
+    sent = 0
+    for c in chunks[:-1]:
+        sent += len(c.choices[0].logprobs.tokens)
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (5, sent)
+    assert sent == 4 and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+    messages = [*MESSAGES, {"role": "assistant", "content": "Apple, banana"}]
+    body = dict(model=model, messages=messages, max_tokens=5, temperature=0,
+                extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    echoed = client.chat.completions.create(**body).choices[0].message.content
+    plain = client.chat.completions.create(**{**body, "extra_body": {**body["extra_body"], "echo": False}})
+    assert echoed == "Apple, banana" + plain.choices[0].message.content
+    stream = client.chat.completions.create(**body, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == echoed
