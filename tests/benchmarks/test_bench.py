@@ -236,3 +236,25 @@ def test_compare_serve_writes_table(tmp_path: Path) -> None:
         assert r["peak_rss_mb"] > 50
     assert data["rows"][-1] == {"system": "llamacpp", "note": "skipped: pass --llama-server or --llamacpp-venv"}
     assert "TPOT p50 ms" in res.stdout
+
+
+def test_tpot_model_matches_hand_counted_schedules() -> None:
+    """benchmarks/tpot_model.py on loads small enough to count by hand."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from tpot_model import simulate
+    finally:
+        sys.path.pop(0)
+    args = dict(fixed=0.01, per_decode=0.002, per_prompt=0.001, input_len=100, output_len=5, max_running=10**9, seed=0)
+    # one request: a 0.11 s prefill step yields the first token, then 4 decode steps of 0.012 s
+    ttft, tpot = simulate(rate=float("inf"), num_requests=1, budget=2048, **args)
+    assert ttft == pytest.approx(0.11) and tpot == pytest.approx(0.012)
+    # two at once, budget 150: step 1 = 100 + 50 prompt tokens (0.16 s, first token of #0),
+    # step 2 = #0's decode + #1's last 50 (0.062 s, first token of #1), then 3 steps of two
+    # decodes (0.014 s; #0 done) and #1's last one alone (0.012 s)
+    ttft, tpot = simulate(rate=float("inf"), num_requests=2, budget=150, **args)
+    assert ttft == pytest.approx((0.16 + 0.222) / 2)
+    assert tpot == pytest.approx(((0.062 + 3 * 0.014) / 4 + (3 * 0.014 + 0.012) / 4) / 2)
+    # a cap of one running request serves them one after the other
+    _, tpot_capped = simulate(rate=float("inf"), num_requests=2, budget=2048, **{**args, "max_running": 1})
+    assert tpot_capped == pytest.approx(0.012)
