@@ -19,6 +19,9 @@ _EXPORTS = {
     "EngineArgs": "pagellm.engine.arg_utils",
     "AsyncEngineArgs": "pagellm.engine.arg_utils",
     "LLMEngine": "pagellm.engine.llm_engine",
+    "TextPrompt": "pagellm.inputs",
+    "TokensPrompt": "pagellm.inputs",
+    "PromptType": "pagellm.inputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -82,8 +82,13 @@ class RequestOutput:
         Completions with an index not seen yet are appended either way.
         """
         self.finished |= next_output.finished
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.prompt_logprobs is not None:
+            # DELTA outputs carry the positions scored since the last one; the others
+            # carry every position so far
+            if aggregate and self.prompt_logprobs is not None:
+                self.prompt_logprobs = self.prompt_logprobs + next_output.prompt_logprobs
+            else:
+                self.prompt_logprobs = next_output.prompt_logprobs
         self.metrics = next_output.metrics or self.metrics
         self.num_cached_tokens = next_output.num_cached_tokens
         by_index = {c.index: i for i, c in enumerate(self.outputs)}

@@ -91,8 +91,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise bad(name, "in [-2, 2]", v)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
         if self.temperature < 0.0:
             raise bad("temperature", "non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
@@ -118,6 +118,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
                 raise bad(name, "an integer, -1 (full vocabulary) or non-negative", value)
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words entries must contain text (got an empty or blank one).")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched in the text).")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:

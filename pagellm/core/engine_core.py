@@ -31,7 +31,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         _set_num_threads(config)
-        torch.manual_seed(config.model_config.seed)
+        if config.model_config.seed is not None:  # None: unseeded, as in vLLM
+            torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         num_blocks = self.model_runner.determine_num_blocks()

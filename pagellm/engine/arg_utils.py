@@ -30,6 +30,23 @@ from pagellm.config import (
     SchedulerConfig,
 )
 
+_VLLM_DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
+    # vLLM options scripts often pass at their default values; any other value would
+    # mean a feature pagellm does not have, so it is refused rather than ignored.
+    "quantization": (None, "gguf"),
+    "kv_cache_dtype": ("auto",),
+    "revision": (None, "main"),
+    "tokenizer_revision": (None, "main"),
+    "code_revision": (None, "main"),
+    "tokenizer_mode": ("auto",),
+    "download_dir": (None,),
+    "load_format": ("auto", "gguf"),
+    "generation_config": ("auto",),
+    "pipeline_parallel_size": (1,),
+    "enable_lora": (False,),
+}
+"""vLLM engine arguments accepted by LLM(...) at these values only (not CLI flags)."""
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -130,6 +147,16 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        for name, defaults in _VLLM_DEFAULTS_ONLY.items():
+            if name in kwargs:
+                value = kwargs.pop(name)
+                if value not in defaults:
+                    raise ValueError(
+                        f"{name}={value!r} is not supported by pagellm (accepted: "
+                        f"{', '.join(repr(d) for d in defaults)})."
+                    )
+        if isinstance(kwargs.get("dtype"), torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes
+            kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -29,7 +29,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise ValueError(f"messages[{i}].content: only text parts are supported.")
                 parts.append(str(part.get("text", "")))
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins text parts
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts.")
         result.append({**msg, "content": content})

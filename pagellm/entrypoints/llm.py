@@ -7,7 +7,7 @@ until all finish (with a tqdm progress bar) and returns results in input order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -40,7 +40,13 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """What generate()/chat() use when given no SamplingParams: vLLM's defaults, with
+        the sampling values of the model's generation_config.json (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens) in their place, as vLLM does."""
+        gen = self.llm_engine.model_config.generation_config or {}
+        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return SamplingParams(**{ours: gen[theirs] for theirs, ours in names.items() if gen.get(theirs) is not None})
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
@@ -50,9 +56,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: list[int] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
+        """use_tqdm: True for the progress bar, or a tqdm-like factory to make it."""
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, sampling_params, use_tqdm, priority, add_special_tokens=True)
 
@@ -60,18 +69,24 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """tools: handed to the chat template (as `tools`), for templates that list them."""
+        _no_lora(lora_request)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         prompts = [
             apply_chat_template(
-                tokenizer, conv, chat_template, add_generation_prompt, continue_final_message,
-                **(chat_template_kwargs or {}),
+                tokenizer, conv, chat_template, add_generation_prompt, continue_final_message, **kwargs,
             )
             for conv in conversations
         ]
@@ -86,10 +101,12 @@ class LLM:
         self,
         prompts: list[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
         priority: list[int] | None,
         add_special_tokens: bool,
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
@@ -115,10 +132,11 @@ class LLM:
             self.llm_engine.abort_request(added)
             raise
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, num_requests: int, use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         bar = None
         if use_tqdm:
-            bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=num_requests, desc="Processed prompts", dynamic_ncols=True,
                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         outputs: list[RequestOutput] = []
         in_tokens = out_tokens = 0
@@ -137,6 +155,11 @@ class LLM:
         if bar is not None:
             bar.close()
         return sorted(outputs, key=lambda o: int(o.request_id))
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported by pagellm (lora_request must be None).")
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

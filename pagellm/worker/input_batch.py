@@ -177,7 +177,7 @@ class InputBatch:
             p = s.sampling_params
             if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
                 stop_ids = set(p.all_stop_token_ids)
-                if p.eos_token_id is not None and not p.ignore_eos:
+                if p.eos_token_id is not None:  # blocked even with ignore_eos, as in vLLM
                     stop_ids.add(p.eos_token_id)
                 min_tokens[i] = (p.min_tokens, stop_ids)
             if p.logit_bias:

@@ -60,7 +60,7 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
