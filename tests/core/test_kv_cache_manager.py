@@ -32,6 +32,7 @@ def admit(kv: KVCacheManager, req: Request, num_new: int | None = None) -> list[
     new_ids = kv.allocate_slots(req, num_new, num_hit, hits)
     kv.check_invariants()
     if new_ids is not None:
+        kv.record_prefix_lookup(req, num_hit)
         req.num_computed_tokens = num_hit + num_new
     return new_ids
 

@@ -259,14 +259,20 @@ def test_resumed_request_hits_its_own_blocks_in_the_prefix_cache() -> None:
     runner = FakeRunner(block_size=4)
     add(sched, make_request("a", [1, 2, 3, 4], 4, max_tokens=6))
     add(sched, make_request("b", [5, 6, 7, 8], 4, max_tokens=6))
+    queries = hits = 0
     for _ in range(6):
-        so, _ = step(sched, runner)
+        so, outs = step(sched, runner)
+        queries += sum(o.scheduler_stats.prefix_cache_queries for o in outs.values() if o.scheduler_stats)
     assert so.preempted_req_ids == {"b"}
-    so, _ = step(sched, runner)
+    so, outs = step(sched, runner)
     # b's tail block was evicted to let a grow; its head block [5, 6, 7, 8] survived.
     (resumed,) = so.scheduled_new_reqs
     assert resumed.num_computed_tokens == 4 and so.num_scheduled_tokens == {"b": 5}
     assert sched.requests == {} and sched.kv_cache_manager.get_num_free_blocks() == 4
+    # the hit rate counts each request's first admission only, not its recomputation
+    queries += sum(o.scheduler_stats.prefix_cache_queries for o in outs.values() if o.scheduler_stats)
+    hits += sum(o.scheduler_stats.prefix_cache_hits for o in outs.values() if o.scheduler_stats)
+    assert (queries, hits) == (8, 0)
 
 
 def test_tiny_pool_every_request_finishes_and_all_blocks_return() -> None:

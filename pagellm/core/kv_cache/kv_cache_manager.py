@@ -68,10 +68,14 @@ class KVCacheManager:
             if block is None:
                 break  # chained hashes: nothing after a miss can hit
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts a lookup in the hit-rate statistics. The scheduler calls it once per
+        request, when it is first admitted: not for each step it waits for blocks, nor
+        for its recomputation after a preemption (both would inflate the counts)."""
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
 
     # -- allocation --------------------------------------------------------------------
 

@@ -239,8 +239,9 @@ class Scheduler:
 
     def _admit(self, request: Request, num_hit_tokens: int, num_new: int, plan: _StepPlan) -> None:
         self.running.append(request)
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens  # first scheduling only
+        if request.num_cached_tokens < 0:  # first scheduling only
+            request.num_cached_tokens = num_hit_tokens
+            self.kv_cache_manager.record_prefix_lookup(request, num_hit_tokens)
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
         self._record_event(request, EngineCoreEventType.SCHEDULED)

@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
+    from pagellm.engine.exceptions import EngineStartupError
+
     try:
         code = args.func(args) or 0
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, EngineStartupError) as e:
         # Bad options or inputs: one clear line, not a traceback.
         print(f"pagellm {args.command}: error: {e}", file=sys.stderr)
         code = 2

@@ -18,6 +18,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template); refused with 400 otherwise, since "
                         "the server runs it.")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     EngineArgs.add_cli_args(p)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
+import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import Any
@@ -166,7 +168,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.model_config.max_model_len, "tokens": ids})
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.model_config.max_model_len, "tokens": ids}
+        if request.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
@@ -190,13 +195,22 @@ def run_server(args: Any) -> int:
 
     chat_template = load_chat_template(args.chat_template)
     engine_args = EngineArgs.from_cli_args(args)
-    config = engine_args.create_engine_config()
-    names = [args.served_model_name] if args.served_model_name else [config.model_config.served_model_name]
-    num_engines = config.parallel_config.data_parallel_size
-    prometheus = PrometheusStatLogger(names[0], num_engines)
-    log_logger = LoggingStatLogger(num_engines)
-    loggers: list[Any] = [prometheus] + ([] if engine_args.disable_log_stats else [log_logger])
-    engine = AsyncLLM(config, log_stats=True, stat_loggers=loggers)
+    # The port is taken before the model loads: a port in use fails at once, not after
+    # minutes of start-up.
+    sock = _listen(args.host, args.port)
+    try:
+        config = engine_args.create_engine_config()
+        names = engine_args.served_model_names or [config.model_config.served_model_name]
+        num_engines = config.parallel_config.data_parallel_size
+        # --disable-log-stats turns statistics off everywhere: no log line, no /metrics
+        # series (the engine core stops counting, so gauges would only read stale zeros).
+        prometheus = None if engine_args.disable_log_stats else PrometheusStatLogger(names[0], num_engines)
+        log_logger = LoggingStatLogger(num_engines)
+        loggers: list[Any] = [] if prometheus is None else [prometheus, log_logger]
+        engine = AsyncLLM(config, log_stats=not engine_args.disable_log_stats, stat_loggers=loggers)
+    except BaseException:
+        sock.close()
+        raise
     mc = engine.model_config
     logger.info("Model %s (%s), dtype %s, max_model_len %d, %d KV blocks of %d tokens, %d engine(s)",
                 mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
@@ -206,14 +220,35 @@ def run_server(args: Any) -> int:
 
     @app.on_event("startup")
     async def _start_logging() -> None:
-        if not engine_args.disable_log_stats:
+        if prometheus is not None:
             app.state.log_task = asyncio.create_task(_log_periodically(log_logger, config.observability_config.log_stats_interval))
         logger.info("Serving %s at http://%s:%d/v1", names[0], args.host, args.port)
 
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # uvicorn stops serving on SIGTERM and then raises the signal again once its own
+        # handler is gone; landing here (not in the default handler, which kills the
+        # process) lets the engine shut down below.
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[sock])
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
         engine.shutdown()
     return 0
 
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -284,6 +284,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:

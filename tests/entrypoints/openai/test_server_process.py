@@ -1,0 +1,113 @@
+"""`pagellm serve` as a process, on a tiny model: it stops cleanly on SIGTERM, takes its
+port before loading the model, answers to several served names, reports start-up
+errors in one line, and --disable-log-stats leaves no half-filled metrics."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+import pytest
+
+from pagellm.engine.arg_utils import EngineArgs
+from tests.entrypoints.openai.conftest import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> str:
+    return tiny_model("llama")
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "pagellm", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _ipc_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "pagellm-*")))
+
+
+def test_sigterm_shuts_the_engine_down(model) -> None:
+    before = _ipc_dirs()
+    srv = ServerProcess(model, "--max-model-len", "256", "--served-model-name", "tiny", "other-name",
+                        "--disable-log-requests")
+    try:
+        engines = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                   if "engine_core_proc" in " ".join(p.cmdline())]
+        assert len(engines) == 1
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {srv.api_key}"}) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "other-name"]
+            r = http.post("/v1/completions", json={"model": "other-name", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "other-name"
+            tok = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+            assert tok["token_strs"] == ["hello", "Ġworld"] and len(tok["tokens"]) == 2
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0  # was -15: killed before the engine shut down
+        psutil.wait_procs(engines, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines)
+        assert _ipc_dirs() <= before  # the engine's socket directory is gone too
+    finally:
+        srv.stop()
+
+
+def test_port_in_use_fails_before_the_model_loads(model) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        result = _serve(model, "--port", str(port))
+    assert result.returncode == 2 and time.monotonic() - start < 20
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"pagellm serve: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "Loaded" not in result.stderr  # the model was never loaded
+
+
+def test_engine_startup_error_is_one_line(model) -> None:
+    result = _serve(model, "--num-gpu-blocks-override", "4", "--max-model-len", "512", "--port", "0")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagellm serve: error: Engine core initialization failed: ValueError: "
+                           "The KV cache holds 48 tokens (3 blocks of 16), fewer than one sequence of "
+                           "max_model_len=512"), last
+    assert "Traceback" not in result.stderr.split("Engine core initialization failed")[-1]
+
+
+def test_disable_log_stats_leaves_no_stale_metrics(model) -> None:
+    srv = ServerProcess(model, "--max-model-len", "256", "--disable-log-stats")
+    try:
+        assert not [k for k in srv.metrics() if k.startswith("pagellm:")]
+    finally:
+        srv.stop()
+
+
+def test_vllm_flag_spellings() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["-dp", "2", "-tp", "1", "--max-model-len", "32K", "--served-model-name", "a", "b"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.data_parallel_size, engine_args.max_model_len) == (2, 32768)
+    assert engine_args.served_model_names == ["a", "b"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "lots"])
+
+
+def test_bench_serve_input_errors_are_one_line() -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for flags, message in ((["--request-rate", "0"], "error: --request-rate must be > 0 (or inf), got 0"),
+                           ([], "error: cannot reach the server at http://127.0.0.1:9: ")):
+        result = subprocess.run([sys.executable, "-m", "pagellm", "bench", "serve", "--port", "9",
+                                 "--num-prompts", "2", *flags], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 1 and result.stderr.strip().startswith(message), result.stderr
+        assert "Traceback" not in result.stderr
