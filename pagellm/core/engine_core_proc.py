@@ -44,11 +44,12 @@ class EngineCoreProc:
         self.rank = rank
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
         self.aborts_queue: queue.Queue[tuple[int, list[str]]] = queue.Queue()
-        # An abort goes into both queues (the forward may be running when it arrives);
-        # whichever copy the busy loop meets first applies it, the other is skipped, so
-        # a late copy cannot hit a new request that reuses the id.
+        # An abort goes into both queues: the copy in aborts_queue is applied between a
+        # forward and its update (so an aborted request emits nothing more), the one in
+        # input_queue in order with the adds. See _abort_early / _abort_in_order.
         self._abort_seq = itertools.count()
-        self._aborts_applied: set[int] = set()
+        self._aborts_done: set[int] = set()
+        self._aborts_left: dict[int, list[str]] = {}
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = False
         self.engine.pending_aborts_hook = self._apply_pending_aborts
@@ -137,7 +138,7 @@ class EngineCoreProc:
         if req_type == EngineCoreRequestType.ADD:
             self.engine.add_request(payload)
         elif req_type == EngineCoreRequestType.ABORT:
-            self._abort_once(*payload)
+            self._abort_in_order(*payload)
         else:
             call_id, method, args = payload
             try:
@@ -152,15 +153,28 @@ class EngineCoreProc:
         aborted while the forward ran emits nothing more."""
         while True:
             try:
-                self._abort_once(*self.aborts_queue.get_nowait())
+                self._abort_early(*self.aborts_queue.get_nowait())
             except queue.Empty:
                 return
 
-    def _abort_once(self, seq: int, request_ids: list[str]) -> None:
-        if seq in self._aborts_applied:  # the other copy got here first
-            self._aborts_applied.remove(seq)
+    def _abort_early(self, seq: int, request_ids: list[str]) -> None:
+        """The copy met during a step: aborts the requests the core holds now. Ids it does
+        not hold may still be on their way (their ADD behind this abort in input_queue);
+        those are left to the in-order copy."""
+        if seq in self._aborts_done:  # the in-order copy came first and did it all
+            self._aborts_done.remove(seq)
             return
-        self._aborts_applied.add(seq)
+        held = self.engine.scheduler.requests
+        self.engine.abort_requests([r for r in request_ids if r in held])
+        self._aborts_left[seq] = [r for r in request_ids if r not in held]
+
+    def _abort_in_order(self, seq: int, request_ids: list[str]) -> None:
+        """The copy met in order with the adds: aborts what the early copy could not.
+        Anything added after it is a newer request (an id reused), which it leaves alone."""
+        if seq in self._aborts_left:
+            self.engine.abort_requests(self._aborts_left.pop(seq))
+            return
+        self._aborts_done.add(seq)
         self.engine.abort_requests(request_ids)
 
     def send_dead(self) -> None:

@@ -85,7 +85,7 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         if self.errored:
             raise self.dead_error
-        if request_id in self.output_processor.request_states:
+        if request_id in self.output_processor.request_states or request_id in self.output_processor.parent_requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if isinstance(prompt, EngineCoreRequest):
             request = prompt
@@ -206,6 +206,10 @@ class AsyncLLM:
                 self.output_handler.cancel()
             except RuntimeError:
                 pass
+        try:  # generate() calls still waiting end instead of hanging
+            self.output_processor.propagate_error(EngineDeadError("The engine was shut down."))
+        except RuntimeError:
+            pass  # their event loop is already closed
         self.engine_core.shutdown()
 
     def __del__(self) -> None:

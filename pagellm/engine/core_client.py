@@ -474,6 +474,15 @@ class DPLBAsyncMPClient(AsyncMPClient):
         self._rr = 0
         super().__init__(config, ranks=range(n))
 
+    async def call_utility_async(self, method: str, *args: Any, rank: int | None = None) -> Any:
+        """Without a rank, every engine runs it (reset_prefix_cache must empty every
+        engine's cache); the first engine's result is returned."""
+        if rank is not None:
+            return await super().call_utility_async(method, *args, rank=rank)
+        results = await asyncio.gather(*(super(DPLBAsyncMPClient, self).call_utility_async(method, *args, rank=r)
+                                         for r in self.ranks))
+        return results[0]
+
     def _choose_rank(self, request: EngineCoreRequest) -> int:
         if request.data_parallel_rank is not None:
             rank = request.data_parallel_rank

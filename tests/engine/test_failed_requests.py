@@ -121,41 +121,104 @@ def test_preempted_requests_resume_exactly(model) -> None:
             assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
 
 
-def test_a_late_abort_copy_does_not_hit_a_new_request_with_the_same_id(model) -> None:
-    """The core gets each abort twice (input queue, and the queue read between forward
-    and update). Here request "A" is aborted through the input queue, a new "A" arrives,
-    and only then does the step-time copy come up: the new "A" must live on."""
+def test_each_abort_copy_does_its_part(model) -> None:
+    """The core gets each abort twice: early (between a forward and its update) and in
+    order with the adds. A late copy must not hit a new request that reuses the id; an
+    early copy that comes before its request's ADD must not lose the abort."""
+    import itertools
+    import queue
+
     config = EngineArgs(model=model).create_engine_config()
     core = EngineCore(config)
     proc = EngineCoreProc.__new__(EngineCoreProc)  # the message handling, without sockets
     proc.engine, proc.rank = core, 0
-    import itertools
-    import queue
+    proc.aborts_queue, proc.input_queue = queue.Queue(), queue.Queue()
+    proc._abort_seq, proc._aborts_done, proc._aborts_left = itertools.count(), set(), {}
 
-    proc.aborts_queue, proc._abort_seq, proc._aborts_applied = queue.Queue(), itertools.count(), set()
-    proc.input_queue = queue.Queue()
-    try:
-        def request() -> EngineCoreRequest:
-            params = SamplingParams(max_tokens=4, ignore_eos=True)
-            params.all_stop_token_ids = []
-            return EngineCoreRequest("A", PROMPTS[0]["prompt_token_ids"], params, time.time())
+    def request(rid: str) -> EngineCoreRequest:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        params.all_stop_token_ids = []
+        return EngineCoreRequest(rid, PROMPTS[0]["prompt_token_ids"], params, time.time())
 
-        core.add_request(request())
-        core.step()
-        item = (next(proc._abort_seq), ["A"])
+    def abort(rid: str) -> tuple[int, list[str]]:
+        item = (next(proc._abort_seq), [rid])
         proc.aborts_queue.put(item)
-        proc._handle(EngineCoreRequestType.ABORT, item)  # the input-queue copy: aborts the old A
+        return item
+
+    try:
+        # 1. in-order copy first (aborts the old A), a new A, then the early copy: A lives
+        core.add_request(request("A"))
+        core.step()
+        item = abort("A")
+        proc._handle(EngineCoreRequestType.ABORT, item)
         assert "A" not in core.scheduler.requests
-        core.add_request(request())  # a new request reusing the id
-        proc._apply_pending_aborts()  # the late copy: must not touch it
+        core.add_request(request("A"))
+        proc._apply_pending_aborts()
         assert "A" in core.scheduler.requests and not core.scheduler.requests["A"].is_finished()
         tokens = []
         while core.scheduler.has_requests():
             outputs, _ = core.step()
             tokens += [t for outs in outputs.values() for o in outs.outputs for t in o.new_token_ids]
         assert len(tokens) == 4
+        # 2. ADD then ABORT arrive during a forward: the early copy finds nothing yet, the
+        # in-order copy (after the ADD) must still abort it
+        item = abort("B")
+        proc._apply_pending_aborts()
+        core.add_request(request("B"))
+        proc._handle(EngineCoreRequestType.ABORT, item)
+        assert core.scheduler.requests == {}
+        pool = core.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks
     finally:
         core.shutdown()
+
+
+def test_async_duplicate_id_shutdown_and_dp_utilities(model) -> None:
+    """A duplicate id (n>1) is refused without touching the running request; shutdown()
+    ends streams still waiting; reset_prefix_cache reaches every data-parallel engine."""
+    long = SamplingParams(max_tokens=60, ignore_eos=True, n=2, temperature=1.0, seed=3)
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=model))
+        try:
+            first = asyncio.ensure_future(_final(engine.generate(PROMPTS[0], long, "X")))
+            await asyncio.sleep(0.5)
+            with pytest.raises(ValueError, match="Request id 'X' is already in use"):
+                await _final(engine.generate(PROMPTS[1], long, "X"))
+            out = await first
+            assert [c.finish_reason for c in out.outputs] == ["length", "length"]
+
+            streams = [asyncio.ensure_future(_final(engine.generate(PROMPTS[i], long, f"s{i}"))) for i in range(3)]
+            await asyncio.sleep(0.5)
+            engine.shutdown()
+            done = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=10)
+            assert all(isinstance(d, EngineDeadError) for d in done), done
+        finally:
+            engine.shutdown()
+
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=model, data_parallel_size=2))
+        try:
+            prompt = {"prompt_token_ids": [100 + j for j in range(40)]}
+            one = SamplingParams(max_tokens=1)
+            for rank in (0, 1):  # cache the prompt on both engines
+                await _final(engine.generate(prompt, one, f"w{rank}", data_parallel_rank=rank))
+                hit = await _final(engine.generate(prompt, one, f"h{rank}", data_parallel_rank=rank))
+                assert hit.num_cached_tokens == 32
+            assert await engine.reset_prefix_cache()
+            for rank in (0, 1):
+                again = await _final(engine.generate(prompt, one, f"a{rank}", data_parallel_rank=rank))
+                assert again.num_cached_tokens == 0, rank
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+async def _final(gen):
+    out = None
+    async for out in gen:  # noqa: B007 - the last one is the answer
+        pass
+    return out
 
 
 @pytest.mark.parametrize("multiprocess", [False, True])

@@ -134,6 +134,8 @@ async def merge_generators(gens: list[AsyncGenerator[RequestOutput, None]]) -> A
     finally:
         for t in tasks:
             t.cancel()
+        # the drain tasks must be done before their generators can be closed
+        await asyncio.gather(*tasks, return_exceptions=True)
         for g in gens:
             await g.aclose()
 

@@ -111,3 +111,30 @@ def test_bench_serve_input_errors_are_one_line() -> None:
                                  "--num-prompts", "2", *flags], capture_output=True, text=True, timeout=60, env=env)
         assert result.returncode == 1 and result.stderr.strip().startswith(message), result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_closing_a_merged_stream_early_closes_every_part() -> None:
+    """merge_generators (several prompts in one request): leaving early must close each
+    prompt's generator cleanly, after its drain task has stopped."""
+    import asyncio
+
+    from pagellm.entrypoints.openai.serving_engine import merge_generators
+
+    closed = []
+
+    async def part(i: int):
+        try:
+            for k in range(100):
+                yield k
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(i)
+
+    async def main() -> None:
+        merged = merge_generators([part(0), part(1)])
+        async for _ in merged:
+            break
+        await merged.aclose()  # raised "aclose(): asynchronous generator is already running"
+
+    asyncio.run(main())
+    assert sorted(closed) == [0, 1]
