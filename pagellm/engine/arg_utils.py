@@ -288,7 +288,9 @@ class EngineArgs:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
-        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        from pagellm.model_executor.layers.rotary_embedding import context_length
+
+        limit = context_length(hf_config, default=2048)
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:

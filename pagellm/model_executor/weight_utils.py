@@ -124,12 +124,40 @@ def gguf_architecture(path: str) -> tuple[str, str, str]:
     return (arch, *GGUF_ARCHITECTURES[arch])
 
 
+def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    """rope.scaling.* (or the older rope.scale_linear) as HF's rope_scaling, read the way
+    llama.cpp reads them: a factor without a type is linear, a factor of 0 means none.
+    Types pagellm does not implement (yarn, ...) are passed on, so loading refuses them
+    by name instead of running the model without its scaling."""
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type")
+    factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = gguf_field(reader, f"{arch}.rope.scale_linear")
+    if kind == "none" or (kind is None and not factor):
+        return None
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor or 1.0)}
+    scaling: dict[str, Any] = {"rope_type": kind}
+    if factor:
+        scaling["factor"] = float(factor)
+    original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling
+
+
 def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     """(HF architectures name, model_type, config kwargs) from GGUF metadata."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     reader = open_gguf(path)
     arch, hf_arch, model_type = gguf_architecture(path)
+    splits = gguf_field(reader, "split.count")
+    if splits is not None and splits > 1:
+        raise ValueError(
+            f"{path} is part 1 of a GGUF split in {splits} files, which pagellm does not load; "
+            "merge them into one file first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)"
+        )
     kwargs: dict[str, Any] = {}
     for gguf_key, hf_key in GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"]).items():
         value = gguf_field(reader, f"{arch}.{gguf_key}")
@@ -138,10 +166,12 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     head_dim = gguf_field(reader, f"{arch}.attention.key_length")
     if head_dim is not None:  # Qwen3: head_dim != hidden / heads
         kwargs["head_dim"] = head_dim
-    kwargs.setdefault("vocab_size", gguf_len(reader, "tokenizer.ggml.tokens"))
-    if gguf_field(reader, f"{arch}.rope.scaling.type") == "linear":
-        factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
-        kwargs["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = gguf_len(reader, "tokenizer.ggml.tokens") or (int(embed.shape[-1]) if embed is not None else 0)
+    kwargs.setdefault("vocab_size", vocab)
+    scaling = _gguf_rope_scaling(reader, arch)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
     names = {t.name for t in reader.tensors}
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # llama3 scaling as llama.cpp's converter stores it

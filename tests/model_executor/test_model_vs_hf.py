@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.model_executor.loader import get_model, load_tokenizer
 from tests.utils import PagedRunner, make_model_config, token_ids
 
@@ -186,9 +187,11 @@ def _llama_cpp_freq_factors(head_dim: int, rope: dict[str, Any]) -> list[float]:
     return factors
 
 
-def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float]) -> str:
+def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float] | None,
+                      metadata: dict[str, Any] | None = None) -> str:
     """The tiny HF Llama as a float32 GGUF the way llama.cpp lays it out: GGUF tensor
-    names, q/k rows permuted to interleaved pairs, rope scaling only as `rope_freqs`."""
+    names, q/k rows permuted to interleaved pairs, llama3 rope scaling only as
+    `rope_freqs`; `metadata` adds keys (str, float or int values)."""
     import json
 
     import gguf
@@ -209,6 +212,8 @@ def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float]) -> st
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_float32("llama.rope.freq_base", LLAMA3_ROPE["rope_theta"])
+    for key, value in (metadata or {}).items():
+        {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](key, value)
     layer_names = {hf: g for g, hf in weight_utils._GGUF_LAYER_NAMES.items()}
     global_names = {hf: g for g, hf in weight_utils._GGUF_GLOBAL_NAMES.items()}
     permuted_heads = {"attn_q": heads, "attn_k": kv_heads}
@@ -225,7 +230,8 @@ def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float]) -> st
             pair = t.shape[0] // n_head // 2
             t = t.reshape(n_head, 2, pair, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         w.add_tensor(gguf_name, np.ascontiguousarray(t, dtype=np.float32))
-    w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
+    if freq_factors is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(freq_factors, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -259,3 +265,37 @@ def test_rope_freq_factors_of_wrong_length_are_refused() -> None:
         ValueError, match=r"rope_freq_factors has 3 entries; expected 32 \(head_dim / 2\)"
     ):
         compute_inv_freq(64, RopeParams(10000.0, "default", {}, (1.0, 2.0, 4.0)))
+
+
+def test_gguf_rope_scaling_keys_are_read_as_llama_cpp_reads_them(tiny_model: Callable[..., str], tmp_path) -> None:
+    """A factor without a type (or the older rope.scale_linear) is linear scaling; a type
+    pagellm does not implement is refused by name, never run unscaled; a split GGUF is
+    refused with the way to merge it."""
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": LLAMA3_ROPE["rope_theta"]}
+    model_dir = tiny_model("llama", rope_parameters=linear, max_position_embeddings=128)
+    prompt = token_ids(130)
+    expected = _hf_last_logits(model_dir, prompt)
+    for i, metadata in enumerate(({"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0},
+                                  {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})):
+        mc = make_model_config(_write_llama_gguf(model_dir, str(tmp_path / f"linear{i}.gguf"), None, metadata))
+        assert mc.hf_config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+        runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+        runner.add("s", prompt)
+        torch.testing.assert_close(runner.step([("s", len(prompt))])[0], expected, atol=1e-4, rtol=0)
+    # linear scaling stretches the context (vLLM's reading): 128 positions x 4
+    assert EngineArgs(model=model_dir).create_engine_config().model_config.max_model_len == 512
+    long_prompt = token_ids(400)
+    runner = PagedRunner(get_model(make_model_config(model_dir, max_model_len=512), torch.device("cpu")),
+                         make_model_config(model_dir, max_model_len=512))
+    runner.add("s", long_prompt)
+    torch.testing.assert_close(runner.step([("s", len(long_prompt))])[0], _hf_last_logits(model_dir, long_prompt),
+                               atol=1e-4, rtol=0)
+
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 128}
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        mc = make_model_config(_write_llama_gguf(model_dir, str(tmp_path / "yarn.gguf"), None, yarn))
+        get_model(mc, torch.device("cpu"))
+    split = _write_llama_gguf(model_dir, str(tmp_path / "m-00001-of-00002.gguf"), None, {"split.count": 2})
+    with pytest.raises(ValueError, match=r"part 1 of a GGUF split in 2 files.*llama-gguf-split --merge"):
+        make_model_config(split)

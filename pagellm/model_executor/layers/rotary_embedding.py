@@ -32,6 +32,19 @@ class RopeParams:
     `rope_freqs` tensor, where llama.cpp's converter bakes llama3 scaling)."""
 
 
+def context_length(config: Any, default: int) -> int:
+    """Positions the model takes: max_position_embeddings (else `default`), stretched by
+    the factor of linear rope scaling, as vLLM reads such configs (LongChat: 2048 x 8)."""
+    limit = int(getattr(config, "max_position_embeddings", None) or default)
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if not params.get("rope_type") and isinstance(scaling, dict):
+        params.update(scaling)
+    if params.get("rope_type", params.get("type")) == "linear" and params.get("factor"):
+        limit = int(limit * params["factor"])
+    return limit
+
+
 def get_rope_params(config: Any) -> RopeParams:
     """Normalise old (rope_theta/rope_scaling) and new (rope_parameters) config styles."""
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -131,5 +144,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
-    max_position = int(getattr(config, "max_position_embeddings", None) or 8192)
+    max_position = context_length(config, default=8192)
     return RotaryEmbedding(head_dim, max_position, get_rope_params(config))
