@@ -75,8 +75,11 @@ class EngineCore:
             request = self.preprocess_add_request(request)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Aborts the requests the core holds; returns the ids it does not hold."""
+        missing = [r for r in request_ids if r not in self.scheduler.requests]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return missing
 
     # -- stepping --------------------------------------------------------------------
 

@@ -164,9 +164,7 @@ class EngineCoreProc:
         if seq in self._aborts_done:  # the in-order copy came first and did it all
             self._aborts_done.remove(seq)
             return
-        held = self.engine.scheduler.requests
-        self.engine.abort_requests([r for r in request_ids if r in held])
-        self._aborts_left[seq] = [r for r in request_ids if r not in held]
+        self._aborts_left[seq] = self.engine.abort_requests(request_ids)
 
     def _abort_in_order(self, seq: int, request_ids: list[str]) -> None:
         """The copy met in order with the adds: aborts what the early copy could not.

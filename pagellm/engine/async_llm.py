@@ -19,8 +19,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagellm.engine.input_processor import PromptType
-from pagellm.engine.llm_engine import apply_ready_response, start_frontend_and_core
-from pagellm.engine.output_processor import OutputProcessor, ParentRequest, RequestOutputCollector
+from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_frontend_and_core
+from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -96,19 +96,11 @@ class AsyncLLM:
             )
         self._run_output_handler()
         queue = RequestOutputCollector(request.sampling_params.output_kind, request_id)
+        parent, core_requests = fan_out(request)
         try:
-            if request.sampling_params.n == 1:
-                self.output_processor.add_request(request, prompt_text, None, 0, queue)
-                await self.engine_core.add_request_async(request)
-                return queue
-            parent = ParentRequest(request_id, request.sampling_params)
-            for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
-                child = EngineCoreRequest(
-                    child_id, request.prompt_token_ids, child_params, request.arrival_time,
-                    request.priority, request.data_parallel_rank, request.client_index,
-                )
-                self.output_processor.add_request(child, prompt_text, parent, index, queue)
-                await self.engine_core.add_request_async(child)
+            for index, core_request in enumerate(core_requests):
+                self.output_processor.add_request(core_request, prompt_text, parent, index, queue)
+                await self.engine_core.add_request_async(core_request)
         except BaseException:
             # A failed add leaves nothing behind: the id can be used again.
             internal = self.output_processor.abort_requests([request_id])

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagellm import envs
 from pagellm.config import EngineConfig
+from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
@@ -84,16 +85,11 @@ class LLMEngine:
         request, prompt_text = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time or time.time(), priority, add_special_tokens
         )
+        parent, core_requests = fan_out(request)
         try:
-            if request.sampling_params.n == 1:
-                self.output_processor.add_request(request, prompt_text)
-                self.engine_core.add_request(request)
-                return
-            parent = ParentRequest(request_id, request.sampling_params)
-            for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
-                child = _with(request, child_id, child_params)
-                self.output_processor.add_request(child, prompt_text, parent, index)
-                self.engine_core.add_request(child)
+            for index, core_request in enumerate(core_requests):
+                self.output_processor.add_request(core_request, prompt_text, parent, index)
+                self.engine_core.add_request(core_request)
         except BaseException:
             self.abort_request([request_id])  # a failed add leaves nothing behind
             raise
@@ -124,9 +120,17 @@ class LLMEngine:
         self.engine_core.shutdown()
 
 
-def _with(request: Any, request_id: str, params: SamplingParams) -> Any:
-    from pagellm.core.protocol import EngineCoreRequest
+def fan_out(request: EngineCoreRequest) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+    """The requests the engine core runs for one user request: the request itself when
+    n == 1, else n children (one completion each) under a ParentRequest that gathers
+    their outputs. Shared by LLMEngine and AsyncLLM."""
+    if request.sampling_params.n == 1:
+        return None, [request]
+    parent = ParentRequest(request.request_id, request.sampling_params)
+    return parent, [_with(request, child_id, params) for child_id, params in parent.make_child_requests()]
 
+
+def _with(request: EngineCoreRequest, request_id: str, params: SamplingParams) -> EngineCoreRequest:
     return EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=request.prompt_token_ids,

@@ -121,14 +121,11 @@ class LLM:
                     add_special_tokens=add_special_tokens,
                 )
                 added.append(request_id)
-        except Exception:
-            self.llm_engine.abort_request(added)  # nothing half-added stays in the engine
-            raise
-        try:
             return self._run_engine(len(added), use_tqdm)
         except BaseException:
-            # Ctrl-C or a failed step: the call's requests end here, so they hold no KV
-            # blocks and the next call neither waits for them nor returns their outputs.
+            # A failed add, a failed step or Ctrl-C: the call's requests end here, so they
+            # hold no KV blocks and the next call neither waits for them nor returns their
+            # outputs.
             self.llm_engine.abort_request(added)
             raise
 
