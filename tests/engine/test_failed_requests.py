@@ -19,6 +19,7 @@ from pagellm.core.protocol import EngineCoreRequest, EngineCoreRequestType
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
+from pagellm.sampling_params import RequestOutputKind
 
 PROMPTS = [{"prompt_token_ids": [100 + 37 * i + j for j in range(6)]} for i in range(8)]
 
@@ -176,20 +177,23 @@ def test_each_abort_copy_does_its_part(model) -> None:
 def test_async_duplicate_id_shutdown_and_dp_utilities(model) -> None:
     """A duplicate id (n>1) is refused without touching the running request; shutdown()
     ends streams still waiting; reset_prefix_cache reaches every data-parallel engine."""
-    long = SamplingParams(max_tokens=60, ignore_eos=True, n=2, temperature=1.0, seed=3)
+    long = SamplingParams(max_tokens=400, ignore_eos=True, n=2, temperature=1.0, seed=3,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # one output with both completions
 
     async def main() -> None:
         engine = AsyncLLM.from_engine_args(EngineArgs(model=model))
         try:
             first = asyncio.ensure_future(_final(engine.generate(PROMPTS[0], long, "X")))
-            await asyncio.sleep(0.5)
+            while "X" not in engine.output_processor.parent_requests:  # added, far from done
+                await asyncio.sleep(0)
             with pytest.raises(ValueError, match="Request id 'X' is already in use"):
                 await _final(engine.generate(PROMPTS[1], long, "X"))
             out = await first
             assert [c.finish_reason for c in out.outputs] == ["length", "length"]
 
             streams = [asyncio.ensure_future(_final(engine.generate(PROMPTS[i], long, f"s{i}"))) for i in range(3)]
-            await asyncio.sleep(0.5)
+            while len(engine.output_processor.parent_requests) < 3:
+                await asyncio.sleep(0)
             engine.shutdown()
             done = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), timeout=10)
             assert all(isinstance(d, EngineDeadError) for d in done), done
