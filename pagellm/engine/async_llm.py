@@ -18,9 +18,9 @@ from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
-from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_frontend_and_core
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pagellm.inputs import PromptType
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams

@@ -12,9 +12,8 @@ from typing import Any
 
 from pagellm.config import ModelConfig
 from pagellm.core.protocol import EngineCoreRequest
+from pagellm.inputs import PromptType
 from pagellm.sampling_params import SamplingParams
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 class InputProcessor:

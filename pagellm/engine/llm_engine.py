@@ -18,8 +18,9 @@ from pagellm.config import EngineConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient
-from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.output_processor import OutputProcessor, ParentRequest
+from pagellm.inputs import PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 

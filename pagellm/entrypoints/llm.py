@@ -13,9 +13,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.chat_utils import apply_chat_template
+from pagellm.inputs import PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
