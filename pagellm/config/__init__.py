@@ -34,6 +34,10 @@ class ModelConfig:
     """ArchConfig of the model (config.json keys, from the directory or GGUF metadata)."""
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)
     """Defaults from generation_config.json (eos ids), if any."""
+    quantization: str | None = None
+    """How linear weights are stored and multiplied, resolved from the checkpoint:
+    'gguf' (GGUF blocks kept quantized, multiplied by CPU kernels) or None (weights in
+    `dtype`; GGUF files are then dequantized at load)."""
 
     @property
     def architecture(self) -> str:
@@ -106,6 +110,13 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    backend: str = "torch"
+    """Attention backend name (see `pagellm.attention`), chosen once for the model and
+    the model runner."""
+
+
+@dataclass(frozen=True)
 class CompilationConfig:
     mode: int = 0
     """0 = eager; >= 1 = torch.compile the model forward."""
@@ -129,6 +140,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     compilation_config: CompilationConfig = CompilationConfig()
+    attention_config: AttentionConfig = AttentionConfig()
     observability_config: ObservabilityConfig = ObservabilityConfig()
 
     def with_data_parallel_rank(self, rank: int) -> EngineConfig:

@@ -20,6 +20,7 @@ from typing import Any, get_args, get_origin
 import torch
 
 from pagellm.config import (
+    AttentionConfig,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -45,7 +46,6 @@ def _parse_len(value: str) -> int:
 _VLLM_DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     # vLLM options scripts often pass at their default values; any other value would
     # mean a feature pagellm does not have, so it is refused rather than ignored.
-    "quantization": (None, "gguf"),
     "kv_cache_dtype": ("auto",),
     "revision": (None, "main"),
     "tokenizer_revision": (None, "main"),
@@ -110,6 +110,10 @@ class EngineArgs:
     """An external router balances load; this frontend talks to one data-parallel rank."""
     tensor_parallel_size: int = 1
     """Tensor parallelism (only 1 is supported)."""
+    quantization: str | None = None
+    """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
+    attention_backend: str = "torch"
+    """Attention backend (pagellm.attention): 'torch' (paged KV cache, SDPA prefill, embedding_bag decode)."""
     compilation_config: Any = None
     """torch.compile settings: an int mode (0 = eager, >= 1 = compile the forward) or a dict
     of CompilationConfig fields. Off by default: on a 2-core CPU inductor spends over ten
@@ -209,6 +213,7 @@ class EngineArgs:
             served_model_name=self.served_model_names[0] if self.served_model_names else (self.model or _default_name(model_path)),
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
+            quantization=self._resolve_quantization(model_path, device),
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -245,6 +250,7 @@ class EngineArgs:
             ),
             device_config=DeviceConfig(device=device),
             compilation_config=compilation,
+            attention_config=AttentionConfig(backend=self.attention_backend),
             observability_config=ObservabilityConfig(disable_log_stats=self.disable_log_stats),
         )
 
@@ -286,6 +292,11 @@ class EngineArgs:
         if ckpt in (torch.float16, torch.bfloat16):
             return ckpt
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def _resolve_quantization(self, model_path: str, device: str) -> str | None:
+        from pagellm.model_executor.layers.quantization import resolve_quantization
+
+        return resolve_quantization(self.quantization, model_path, device)
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         from pagellm.model_executor.layers.rotary_embedding import context_length

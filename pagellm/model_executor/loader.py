@@ -269,18 +269,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
-def get_model(model_config: Any, device: torch.device, attn_backend: str = "torch") -> nn.Module:
+def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn.Module:
     """Build the family class for `model_config.architecture` in `model_config.dtype` on
-    `device` and load its weights from `model_config.model_path`."""
-    from pagellm.attention import get_attn_backend
-
+    `device`, its attention layers on `attn_backend` (the class the model runner chose
+    from the config), and load its weights from `model_config.model_path`."""
     path = model_config.model_path
     model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
     # 1. Build on the device with uninitialised parameters (the layers skip random init;
     # the meta device would save the allocation, but its first use imports torch's
     # meta kernels, which costs more).
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config, get_attn_backend(attn_backend))
+        model = model_cls(model_config.hf_config, attn_backend)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if weight_utils.is_gguf(path):
         weights = _gguf_weights(path, model_config.hf_config)

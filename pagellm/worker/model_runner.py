@@ -56,14 +56,14 @@ class ModelRunner:
         from pagellm.model_executor.loader import get_model
 
         start = time.perf_counter()
-        self.model = get_model(self.model_config, self.device)
+        self.attn_backend = get_attn_backend(self.config.attention_config.backend)
+        self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.model.eval()
         self._forward = self.model.forward
         if self.config.compilation_config.mode >= 1:
             self._forward = torch.compile(
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )
-        self.attn_backend = get_attn_backend("torch")
         self.attn_builder = self.attn_backend.get_builder_cls()(
             self.block_size, self.device, sliding_window=getattr(self.model, "sliding_window", None)
         )

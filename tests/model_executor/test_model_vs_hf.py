@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagellm.attention import get_attn_backend
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.model_executor.loader import get_model, load_tokenizer
 from tests.utils import PagedRunner, make_model_config, token_ids
@@ -36,7 +37,7 @@ def gguf_pair(default_model_path: str) -> tuple[Any, Any, Any]:
     directory, name = os.path.split(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     mc = make_model_config(default_model_path)
-    ours = get_model(mc, torch.device("cpu"))
+    ours = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
     return (ours, mc), hf.eval(), load_tokenizer(default_model_path)
 
 
@@ -103,7 +104,7 @@ def test_tiny_model_logits_match_transformers(
     model_dir = tiny_model(family, **overrides)
     prompt = token_ids(length)
     mc = make_model_config(model_dir)
-    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
     runner.add("s", prompt)
     logits = runner.step([("s", length)])
     expected = _hf_last_logits(model_dir, prompt)
@@ -123,7 +124,7 @@ def test_sliding_window_through_chunks_and_decodes_matches_transformers(
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0].float()
     mc = make_model_config(model_dir)
-    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
     assert runner.builder.sliding_window == 12
     runner.add("s", tokens)
     done = 0
@@ -136,13 +137,13 @@ def test_sliding_window_through_chunks_and_decodes_matches_transformers(
 def test_non_positive_sliding_window_is_refused(tiny_model: Callable[..., str]) -> None:
     mc = make_model_config(tiny_model("mistral", sliding_window=0))
     with pytest.raises(ValueError, match="sliding_window must be a positive number of tokens, got 0"):
-        get_model(mc, torch.device("cpu"))
+        get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
 
 
 def test_qwen_partial_sliding_window_is_refused(tiny_model: Callable[..., str]) -> None:
     mc = make_model_config(tiny_model("qwen2", use_sliding_window=True, sliding_window=16))
     with pytest.raises(ValueError, match="use_sliding_window=True .* is not supported"):
-        get_model(mc, torch.device("cpu"))
+        get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
 
 
 def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> None:
@@ -152,7 +153,8 @@ def test_tiny_configs_exercise_their_feature(tiny_model: Callable[..., str]) -> 
     mc = make_model_config(tiny_model("llama", rope_parameters=LLAMA3_ROPE))
     assert get_rope_params(mc.hf_config).rope_type == "llama3"
     untied = get_model(
-        make_model_config(tiny_model("llama", tie_word_embeddings=False)), torch.device("cpu")
+        make_model_config(tiny_model("llama", tie_word_embeddings=False)), torch.device("cpu"),
+        get_attn_backend("torch"),
     )
     assert untied.lm_head is not None
     # HF applies the window: without it the last logits of a 33-token prompt differ
@@ -252,7 +254,7 @@ def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tm
     mc = make_model_config(path)
     assert mc.hf_config.rope_freq_factors == pytest.approx(factors)
     prompt = token_ids(130)  # past original 64 positions
-    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
     runner.add("s", prompt)
     logits = runner.step([("s", len(prompt))])
     torch.testing.assert_close(logits[0], _hf_last_logits(model_dir, prompt), atol=1e-4, rtol=0)
@@ -279,13 +281,14 @@ def test_gguf_rope_scaling_keys_are_read_as_llama_cpp_reads_them(tiny_model: Cal
                                   {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})):
         mc = make_model_config(_write_llama_gguf(model_dir, str(tmp_path / f"linear{i}.gguf"), None, metadata))
         assert mc.hf_config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
-        runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+        runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
         runner.add("s", prompt)
         torch.testing.assert_close(runner.step([("s", len(prompt))])[0], expected, atol=1e-4, rtol=0)
     # linear scaling stretches the context (vLLM's reading): 128 positions x 4
     assert EngineArgs(model=model_dir).create_engine_config().model_config.max_model_len == 512
     long_prompt = token_ids(400)
-    runner = PagedRunner(get_model(make_model_config(model_dir, max_model_len=512), torch.device("cpu")),
+    runner = PagedRunner(get_model(make_model_config(model_dir, max_model_len=512), torch.device("cpu"),
+                                   get_attn_backend("torch")),
                          make_model_config(model_dir, max_model_len=512))
     runner.add("s", long_prompt)
     torch.testing.assert_close(runner.step([("s", len(long_prompt))])[0], _hf_last_logits(model_dir, long_prompt),
@@ -295,7 +298,7 @@ def test_gguf_rope_scaling_keys_are_read_as_llama_cpp_reads_them(tiny_model: Cal
             "llama.rope.scaling.original_context_length": 128}
     with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
         mc = make_model_config(_write_llama_gguf(model_dir, str(tmp_path / "yarn.gguf"), None, yarn))
-        get_model(mc, torch.device("cpu"))
+        get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
     split = _write_llama_gguf(model_dir, str(tmp_path / "m-00001-of-00002.gguf"), None, {"split.count": 2})
     with pytest.raises(ValueError, match=r"part 1 of a GGUF split in 2 files.*llama-gguf-split --merge"):
         make_model_config(split)
