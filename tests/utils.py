@@ -95,7 +95,8 @@ def make_tiny_model(family: str, tmp_path_factory: Any, seed: int = 0, **overrid
 
 
 def make_model_config(
-    path: str, dtype: torch.dtype = torch.float32, max_model_len: int = 512
+    path: str, dtype: torch.dtype = torch.float32, max_model_len: int = 512,
+    quantization: str | None = None,
 ) -> ModelConfig:
     from pagellm.model_executor.loader import load_generation_config, load_hf_config
 
@@ -109,6 +110,7 @@ def make_model_config(
         served_model_name=os.path.basename(path),
         hf_config=load_hf_config(path),
         generation_config=load_generation_config(path),
+        quantization=quantization,
     )
 
 

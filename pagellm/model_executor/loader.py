@@ -24,7 +24,6 @@ from pagellm import envs
 from pagellm.logger import init_logger
 from pagellm.model_executor import weight_utils
 from pagellm.model_executor.arch_config import ArchConfig
-from pagellm.model_executor.layers.linear import MergedLinear
 from pagellm.model_executor.registry import ModelRegistry
 
 logger = init_logger(__name__)
@@ -273,15 +272,20 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
     """Build the family class for `model_config.architecture` in `model_config.dtype` on
     `device`, its attention layers on `attn_backend` (the class the model runner chose
     from the config), and load its weights from `model_config.model_path`."""
+    from pagellm.model_executor.layers.quantization import get_quantization_config
+
     path = model_config.model_path
     model_cls = ModelRegistry.resolve_model_cls(model_config.architecture)
+    quant_config = get_quantization_config(model_config)
     # 1. Build on the device with uninitialised parameters (the layers skip random init;
     # the meta device would save the allocation, but its first use imports torch's
     # meta kernels, which costs more).
     with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_cls(model_config.hf_config, attn_backend)
+        model = model_cls(model_config.hf_config, attn_backend, quant_config)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
-    if weight_utils.is_gguf(path):
+    if quant_config is not None and quant_config.get_name() == "gguf":
+        weights = weight_utils.gguf_quantized_weights_iterator(path, model_config.hf_config)
+    elif weight_utils.is_gguf(path):
         weights = _gguf_weights(path, model_config.hf_config)
     else:
         weights = weight_utils.safetensors_weights_iterator(path)
@@ -304,13 +308,16 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
 
 
 def _expected_param_names(model: nn.Module) -> set[str]:
-    """Names load_weights must report: fused parameters once per shard (`name#i`)."""
+    """Names load_weights must report: each layer's own list where it keeps its weights
+    through a method (`expected_weights`: fused parts once each, `weight#i`), every
+    parameter elsewhere."""
     names: set[str] = set()
     for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        expected = getattr(module, "expected_weights", None)
+        if expected is not None:
+            names.update(prefix + n for n in expected())
+            continue
         for param_name, _ in module.named_parameters(recurse=False):
-            full = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(module, MergedLinear):
-                names.update(f"{full}#{i}" for i in range(len(module.output_sizes)))
-            else:
-                names.add(full)
+            names.add(prefix + param_name)
     return names

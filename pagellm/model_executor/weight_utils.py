@@ -236,8 +236,9 @@ def _dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
     return np.concatenate(slabs) if len(slabs) > 1 else slabs[0]
 
 
-def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor of a GGUF file."""
+def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | None]]:
+    """(HF name, GGUF tensor, heads whose q/k rows llama.cpp permuted or None) for every
+    weight of a GGUF file."""
     reader = open_gguf(path)
     arch = gguf_field(reader, "general.architecture")
     n_heads = hf_config.num_attention_heads
@@ -248,14 +249,95 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
             if tensor.name != "rope_freqs.weight":
                 raise ValueError(f"{path}: unknown GGUF tensor {tensor.name!r}")
             continue
-        w = dequantize_gguf_tensor(path, tensor)
+        permuted = None
         if arch in ("llama", "mistral") and ".attn_q." in tensor.name:
-            w = _undo_llama_permute(w, n_heads)
+            permuted = n_heads
         elif arch in ("llama", "mistral") and ".attn_k." in tensor.name:
-            w = _undo_llama_permute(w, n_kv)
+            permuted = n_kv
+        yield hf_name, tensor, permuted
+
+
+def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of a GGUF file."""
+    for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
+        w = dequantize_gguf_tensor(path, tensor)
+        if permuted is not None:
+            w = _undo_llama_permute(w, permuted)
         if not w.flags.writeable:  # F32/F16 tensors are views of the read-only mapping
             w = w.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+class GGUFTensor:
+    """One 2-D GGUF weight kept in the file's block format: `rows` rows of `row_bytes`
+    bytes, each row `cols` values of ggml type `qtype`. `data` is a view of the
+    memory-mapped file (nothing read yet); `read_rows()` copies the rows (in HF order:
+    llama.cpp's q/k row permutation undone) without touching the mapping."""
+
+    def __init__(self, path: str, tensor: Any, permuted_heads: int | None) -> None:
+        self.path = path
+        self.name = tensor.name
+        self.qtype = int(tensor.tensor_type)
+        self.type_name = tensor.tensor_type.name
+        self.cols, self.rows = (int(d) for d in tensor.shape)
+        self.data: np.ndarray = tensor.data.reshape(self.rows, -1).view(np.uint8)
+        self.row_bytes = self.data.shape[1]
+        self.file_offset = int(tensor.data_offset)
+        self.row_order: np.ndarray | None = None
+        if permuted_heads is not None:
+            pair = self.rows // permuted_heads // 2
+            self.row_order = (np.arange(self.rows).reshape(permuted_heads, pair, 2)
+                              .swapaxes(1, 2).reshape(-1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def read_rows(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows as an owned [rows, row_bytes] uint8 array (into `out` if given), read
+        from the file rather than the mapping, so its pages are not resident twice."""
+        raw = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.file_offset)
+            if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+                raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
+        if self.row_order is not None:
+            raw = raw[self.row_order]
+        if out is None:
+            return raw
+        out[...] = raw
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols] in HF row order (gguf's reference dequantization)."""
+        w = _dequantize(self.data, _ggml_type(self.qtype)).reshape(self.rows, self.cols)
+        if self.row_order is not None:
+            w = w[self.row_order]
+        return np.array(w, dtype=np.float32, copy=True)
+
+
+def _ggml_type(qtype: int) -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType(qtype)
+
+
+def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, Any]]:
+    """Yield (HF name, weight) for every tensor of a GGUF file: 2-D weights as
+    `GGUFTensor` (still in the file's blocks), 1-D ones (norms) as float32 tensors."""
+    for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
+        if len(tensor.shape) == 2 and int(tensor.shape[1]) > 1:
+            _check_in_file(path, tensor)
+            yield hf_name, GGUFTensor(path, tensor, permuted)
+        else:
+            w = dequantize_gguf_tensor(path, tensor)
+            yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def _check_in_file(path: str, tensor: Any) -> None:
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    if end > os.path.getsize(path):
+        raise ValueError(f"{path}: tensor {tensor.name!r} is cut short (truncated file?)")
 
 
 # ------------------------------------------------------------------------ safetensors

@@ -30,15 +30,19 @@ LLAMA3_ROPE = {
 
 
 @pytest.fixture(scope="module")
-def gguf_pair(default_model_path: str) -> tuple[Any, Any, Any]:
-    """(pagellm model + config, HF model, tokenizer) for the default GGUF; HF load ~35 s."""
+def gguf_pair(default_model_path: str) -> tuple[dict[str, Any], Any, Any]:
+    """(pagellm model + config per quantization, HF model, tokenizer) for the default GGUF;
+    HF load ~35 s. "none": dequantized to float32 at load; "gguf": the file's blocks."""
     from transformers import AutoModelForCausalLM
 
     directory, name = os.path.split(default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    mc = make_model_config(default_model_path)
-    ours = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
-    return (ours, mc), hf.eval(), load_tokenizer(default_model_path)
+    ours = {}
+    for quantization in ("none", "gguf"):
+        mc = make_model_config(default_model_path,
+                               quantization=None if quantization == "none" else quantization)
+        ours[quantization] = (get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
+    return ours, hf.eval(), load_tokenizer(default_model_path)
 
 
 def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
@@ -55,11 +59,15 @@ def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
 @pytest.mark.parametrize("kind", ["text", "chat"])
 def test_default_gguf_greedy_matches_transformers(
-    gguf_pair: tuple[Any, Any, Any], kind: str
+    gguf_pair: tuple[dict[str, Any], Any, Any], kind: str, quantization: str
 ) -> None:
-    (ours, mc), hf, tok = gguf_pair
+    """Both weight paths, float32 dequantized at load and the quantized blocks, give
+    transformers' greedy tokens."""
+    models, hf, tok = gguf_pair
+    ours, mc = models[quantization]
     if kind == "text":
         prompt = tok("The capital of France is")["input_ids"]
     else:

@@ -1,15 +1,25 @@
-"""Linear layers. `Linear` is nn.Linear whose weight, once loaded, is re-laid out for
-the CPU matmul kernel (`process_weights_after_loading`); `MergedLinear` fuses several
-projections of the same input into one weight so a step runs one matmul (q|k|v,
-gate|up). Checkpoints keep the parts separate; `load_shard` copies one part into its
-row range of the fused weight.
+"""Linear layers and the vocabulary embedding, each computing through a quantization
+method (`pagellm.model_executor.layers.quantization`): the layer owns the shapes, its
+`quant_method` owns the weights (create, load, process after loading, apply).
+
+`UnquantizedLinearMethod` keeps a weight in the model dtype and, on CPU in float32,
+re-lays it out once for oneDNN's matmul. `MergedLinear` fuses several projections of the
+same input into one layer so a step runs one product (q|k|v, gate|up); checkpoints keep
+the parts separate and the loader hands each part to `weight_loader` with its shard index.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagellm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 
 SMALL_BATCH_ROWS = 512
 """Below this many rows (tokens), CPU linears compute (W @ x.T).T instead of x @ W.T."""
@@ -74,56 +84,158 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.packed_weight: torch.Tensor | None
-        self.register_buffer("packed_weight", None, persistent=False)
+class UnquantizedLinearMethod(QuantizeMethodBase):
+    """Weights in the model dtype: `layer.weight` [out, in] (parts stacked by rows), and on
+    CPU in float32 its oneDNN-packed form `layer.packed_weight` instead after loading."""
 
-    def reset_parameters(self) -> None:
-        """No random init: every weight comes from a checkpoint (the loader refuses a
-        model with parameters left unfilled)."""
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
+                       bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
+        layer.register_buffer("packed_weight", None, persistent=False)
 
-    def process_weights_after_loading(self) -> None:
-        """Swap the loaded weight for its packed form where the CPU kernel applies; the
-        plain weight is then dropped (`weight` becomes None), not kept twice."""
-        packed = None if self.weight is None else pack_weight(self.weight)
-        if packed is None:
-            return
-        self.packed_weight = packed
-        self.register_parameter("weight", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Embedding):
-    def reset_parameters(self) -> None:
-        """No random init (seconds for a vocabulary-sized table); filled by the loader."""
-
-
-class MergedLinear(Linear):
-    """y = x @ W.T (+ b) where W stacks the shards' weights along the output rows:
-
-    rows [0, s0)            shard 0 (e.g. q_proj)
-    rows [s0, s0 + s1)      shard 1 (e.g. k_proj)
-    ...
-    """
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-
-    def load_shard(self, param_name: str, shard: int, loaded: torch.Tensor) -> None:
-        param: torch.Tensor = getattr(self, param_name)
-        start, size = self.offsets[shard], self.output_sizes[shard]
+    def load_weight(self, layer: nn.Module, shard: int, loaded: Any) -> None:
+        start, size = layer.offsets[shard], layer.output_sizes[shard]
+        param = layer.weight
+        if not isinstance(loaded, torch.Tensor):  # a GGUF block tensor: dequantize it
+            loaded = torch.from_numpy(loaded.dequantize())
         if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
             raise ValueError(
-                f"shard {shard} of {param_name}: expected rows {size} x {tuple(param.shape[1:])}, "
+                f"shard {shard} of weight: expected rows {size} x {tuple(param.shape[1:])}, "
                 f"got {tuple(loaded.shape)}"
             )
         with torch.no_grad():
             param[start : start + size].copy_(loaded)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Swap the loaded weight for its packed form where the CPU kernel applies; the
+        plain weight is then dropped (`weight` becomes None), not kept twice."""
+        packed = None if layer.weight is None else pack_weight(layer.weight)
+        if packed is None:
+            return
+        layer.packed_weight = packed
+        layer.register_parameter("weight", None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.packed_weight is not None:
+            return packed_linear(x, layer.packed_weight, bias)
+        return linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b) for W [out, in], kept and multiplied by `quant_method`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.prefix = prefix
+        if not hasattr(self, "output_sizes"):
+            self.output_sizes = [out_features]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, in_features, self.output_sizes, bias)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def weight_loader(self, param_name: str, shard: int, loaded: Any) -> None:
+        """Checkpoint tensor `loaded` into part `shard` of `param_name` ('weight' or 'bias')."""
+        if param_name == "weight":
+            self.quant_method.load_weight(self, shard, loaded)
+            return
+        start, size = self.offsets[shard], self.output_sizes[shard]
+        if param_name != "bias" or self.bias is None or tuple(loaded.shape) != (size,):
+            raise ValueError(
+                f"{self.prefix or 'linear'}.{param_name} (part {shard}): unexpected tensor of "
+                f"shape {tuple(loaded.shape)}"
+            )
+        with torch.no_grad():
+            self.bias[start : start + size].copy_(loaded)
+
+    def load_shard(self, param_name: str, shard: int, loaded: Any) -> None:
+        self.weight_loader(param_name, shard, loaded)
+
+    def expected_weights(self) -> list[str]:
+        """Names (relative to the layer) the loader must fill: one per part and parameter."""
+        names = ["weight" if len(self.output_sizes) == 1 else f"weight#{i}"
+                 for i in range(len(self.output_sizes))]
+        if self.bias is not None:
+            names += ["bias" if len(self.output_sizes) == 1 else f"bias#{i}"
+                      for i in range(len(self.output_sizes))]
+        return names
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"method={type(self.quant_method).__name__}")
+
+
+class MergedLinear(Linear):
+    """y = x @ W.T (+ b) where W stacks the parts' weights along the output rows:
+
+    rows [0, s0)            part 0 (e.g. q_proj)
+    rows [s0, s0 + s1)      part 1 (e.g. k_proj)
+    ...
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix)
+
+
+class UnquantizedEmbeddingMethod:
+    """A [vocab, hidden] table in the model dtype; rows looked up by token id."""
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def load_weight(self, layer: nn.Module, loaded: Any) -> None:
+        if not isinstance(loaded, torch.Tensor):  # a GGUF block tensor: dequantize it
+            loaded = torch.from_numpy(loaded.dequantize())
+        if loaded.shape != layer.weight.shape:
+            raise ValueError(
+                f"expected shape {tuple(layer.weight.shape)}, got {tuple(loaded.shape)}"
+            )
+        with torch.no_grad():
+            layer.weight.copy_(loaded)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+    def tie_head(self, layer: nn.Module, head: Linear) -> None:
+        """Make `head` (an unquantized Linear) multiply by this table, shared, not copied."""
+        head.weight = layer.weight
+        head.process_weights_after_loading()
+
+
+class Embedding(nn.Module):
+    """Token embedding table [num_embeddings, embedding_dim] kept by `quant_method`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method: Any = method or UnquantizedEmbeddingMethod()
+        self.quant_method.create_weights(self, num_embeddings, embedding_dim)
+
+    def weight_loader(self, param_name: str, shard: int, loaded: Any) -> None:
+        self.quant_method.load_weight(self, loaded)
+
+    def expected_weights(self) -> list[str]:
+        return ["weight"]
+
+    def tie_head(self, head: Linear) -> None:
+        self.quant_method.tie_head(self, head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.embedding(self, ids)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.model_executor.layers.linear import SMALL_BATCH_ROWS, Linear, linear, packed_linear
+from pagellm.model_executor.layers.linear import (
+    SMALL_BATCH_ROWS,
+    Linear,
+    UnquantizedLinearMethod,
+    linear,
+    packed_linear,
+)
 
 VOCAB_CHUNK = 1024
 """Vocabulary rows per matmul when few hidden rows are projected on CPU."""
@@ -13,6 +19,8 @@ VOCAB_CHUNK = 1024
 
 def compute_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
+    if not isinstance(lm_head.quant_method, UnquantizedLinearMethod):
+        return lm_head(hidden).float().contiguous()
     if lm_head.packed_weight is not None:
         return packed_linear(hidden, lm_head.packed_weight).float()
     lm_head_weight = lm_head.weight

@@ -20,6 +20,7 @@ from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
+from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
@@ -56,6 +57,8 @@ class LlamaAttention(nn.Module):
         layer_idx: int,
         backend: type,
         opts: LayerOptions,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -64,9 +67,11 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=opts.qkv_bias
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], opts.qkv_bias,
+            quant_config, f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=opts.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, opts.o_bias, quant_config,
+                             f"{prefix}.o_proj")
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
@@ -94,13 +99,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, quant_config,
+                                         f"{prefix}.gate_up_proj")
         self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"))
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias, quant_config,
+                                f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -113,10 +121,13 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         backend: type,
         opts: LayerOptions,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, opts)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, opts, quant_config,
+                                        f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,12 +147,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, backend: type, opts: LayerOptions) -> None:
+    def __init__(self, config: Any, backend: type, opts: LayerOptions,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, quant_config,
+                                      f"{prefix}.embed_tokens")
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, opts)
+            LlamaDecoderLayer(config, i, backend, opts, quant_config, f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -159,14 +172,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over LlamaModel. Families override `layer_options`."""
 
-    def __init__(self, config: Any, attn_backend: type) -> None:
+    def __init__(self, config: Any, attn_backend: type,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, self.layer_options(config))
+        self.quant_config = quant_config
+        self.model = LlamaModel(config, attn_backend, self.layer_options(config), quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, quant_config,
+                                  "lm_head")
         self.sliding_window = self.get_sliding_window(config)
         """Keys a query attends to, itself included (the model runner hands it to the
         attention metadata builder); None = the whole context."""
@@ -200,46 +216,52 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Tied embeddings: the head becomes a Linear over the embedding's weight (shared,
-        not copied), so it takes the same packed CPU matmul as an untied head."""
+        not copied), so it takes the same kernels as an untied head."""
         if self.lm_head is None:
             embed = self.model.embed_tokens
-            self.lm_head = Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
-            self.lm_head.weight = embed.weight
-            self.lm_head.process_weights_after_loading()
+            self.lm_head = Linear(embed.embedding_dim, embed.num_embeddings, False,
+                                  self.quant_config, "lm_head")
+            embed.tie_head(self.lm_head)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters.
-        Returns the names of the parameters that were filled."""
-        params = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Hand checkpoint tensors (Hugging Face names) to the layers that own them; the
+        parts of fused layers by shard index. Returns the names that were filled
+        (`layer.weight#i` for part i of a fused layer)."""
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding
-            target = _load_one(self, params, name, tensor)
-            loaded.add(target)
+            loaded.add(_load_one(self, name, tensor))
         return loaded
 
 
-def _load_one(
-    model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
-) -> str:
-    """Load one checkpoint tensor; returns the parameter name it landed in."""
-    for fused, part, shard in STACKED_PARAMS:
-        if f".{part}." not in name:
-            continue
-        target = name.replace(f".{part}.", f".{fused}.")
-        if target not in params:
-            raise KeyError(f"unexpected checkpoint tensor {name!r}")
-        module_name, param_name = target.rsplit(".", 1)
+def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
+    """Load one checkpoint tensor; returns the name it landed in."""
+    module_name, _, param_name = name.rpartition(".")
+    shard, fused_from = 0, None
+    for fused, part, index in STACKED_PARAMS:
+        if module_name.endswith(f".{part}"):
+            module_name = module_name[: -len(part)] + fused
+            shard, fused_from = index, part
+            break
+    try:
         module = model.get_submodule(module_name)
-        assert isinstance(module, MergedLinear)
-        module.load_shard(param_name, shard, tensor)
-        return f"{target}#{shard}"
-    if name not in params:
+    except AttributeError:
+        raise KeyError(f"unexpected checkpoint tensor {name!r}") from None
+    loader = getattr(module, "weight_loader", None)
+    if loader is not None:
+        if param_name not in module.expected_weights() and f"{param_name}#{shard}" not in module.expected_weights():
+            raise KeyError(f"unexpected checkpoint tensor {name!r}")
+        try:
+            loader(param_name, shard, tensor)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+        return f"{module_name}.{param_name}" + (f"#{shard}" if fused_from else "")
+    param = getattr(module, param_name, None)
+    if not isinstance(param, nn.Parameter):
         raise KeyError(f"unexpected checkpoint tensor {name!r}")
-    param = params[name]
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
     with torch.no_grad():

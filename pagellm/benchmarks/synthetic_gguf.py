@@ -1,0 +1,145 @@
+"""Random GGUF weights in any block type, and whole synthetic Llama GGUF files.
+
+gguf's Python package can dequantize every type but quantize only a few, so random
+weights are written as random *blocks*: random quant bits with valid, small float16
+scales. Dequantized, they are ordinary random weights, which is all a kernel test or a
+speed benchmark needs. `write_llama_gguf` lays out a Llama model in llama.cpp's naming
+(q/k rows permuted as llama.cpp's converter does) with a chosen type mix, e.g. Q4_K_M's:
+
+    python -m pagellm.benchmarks.synthetic_gguf out.gguf --shape llama-3.2-1b --mix q4_k_m
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+# byte ranges of the float16 scale fields inside one block, per type
+_F16_FIELDS: dict[str, list[tuple[int, int]]] = {
+    "Q4_0": [(0, 2)], "Q4_1": [(0, 2), (2, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 2), (2, 4)],
+    "Q8_0": [(0, 2)], "Q2_K": [(80, 82), (82, 84)], "Q3_K": [(108, 110)],
+    "Q4_K": [(0, 2), (2, 4)], "Q5_K": [(0, 2), (2, 4)], "Q6_K": [(208, 210)],
+    "IQ4_XS": [(0, 2)],
+}  # fmt: skip
+
+SHAPES: dict[str, dict[str, int]] = {
+    # Llama-3.2-1B's shapes (vocabulary cut to 32000 keeps the file ~0.7 GB in Q4_K_M)
+    "llama-3.2-1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=32000),
+    "tiny": dict(hidden=256, inter=768, layers=2, heads=4, kv_heads=2, vocab=512),
+}
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator,
+                  scale: float = 0.02) -> np.ndarray:
+    """[rows, bytes per row] uint8: random blocks of `qtype` whose values are ~`scale`."""
+    import gguf
+
+    gtype = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[gtype]
+    if cols % block:
+        raise ValueError(f"{qtype}: columns ({cols}) must be a multiple of {block}")
+    if qtype in ("F32", "F16", "BF16"):
+        values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        if qtype == "F32":
+            return values.view(np.uint8)
+        if qtype == "F16":
+            return values.astype(np.float16).view(np.uint8)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    nblocks = cols // block
+    data = rng.integers(0, 256, size=(rows, nblocks, size), dtype=np.uint8)
+    # block-scale magnitude so that dequantized values stay near `scale`
+    levels = {"Q8_0": 64.0, "Q2_K": 2.0 * 8, "Q3_K": 4.0 * 32, "Q6_K": 32.0 * 64,
+              "IQ4_XS": 64.0 * 32, "Q4_K": 8.0 * 32, "Q5_K": 16.0 * 32}.get(qtype, 8.0)
+    for start, end in _F16_FIELDS[qtype]:
+        d = (rng.uniform(0.5, 1.5, size=(rows, nblocks)) * scale / levels).astype(np.float16)
+        data[:, :, start:end] = d.view(np.uint8).reshape(rows, nblocks, 2)
+    return data.reshape(rows, nblocks * size)
+
+
+def q4_k_m_type(name: str, layer: int, layers: int) -> str:
+    """The type llama.cpp's Q4_K_M recipe gives a tensor: Q6_K for the output head and
+    for attn_v / ffn_down in the first and last eighth of the layers and every third
+    layer between; Q4_K elsewhere."""
+    if name == "output":
+        return "Q6_K"
+    if name in ("attn_v", "ffn_down"):
+        eighth = max(1, layers // 8)
+        if layer < eighth or layer >= layers - eighth or (layer - eighth) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed: int = 0,
+                     tied: bool = False) -> None:
+    """A Llama GGUF with random weights of `shape` and type mix `mix` ('q4_k_m' or a
+    single type name such as 'Q8_0'), a byte-level vocabulary of `vocab` tokens."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    h, inter, n_layers = shape["hidden"], shape["inter"], shape["layers"]
+    heads, kv_heads, vocab = shape["heads"], shape["kv_heads"], shape["vocab"]
+    head_dim = h // heads
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(2048)
+    w.add_embedding_length(h)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    tokens = [f"<t{i}>" for i in range(vocab)]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    def type_of(name: str, layer: int) -> str:
+        return q4_k_m_type(name, layer, n_layers) if mix == "q4_k_m" else mix.upper()
+
+    def add(name: str, qtype: str, rows: int, cols: int) -> None:
+        data = random_blocks(qtype, rows, cols, rng)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    def add_norm(name: str) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+
+    embd_type = "Q6_K" if tied and mix == "q4_k_m" else type_of("token_embd", 0)
+    add("token_embd.weight", embd_type, vocab, h)
+    for i in range(n_layers):
+        add_norm(f"blk.{i}.attn_norm.weight")
+        add_norm(f"blk.{i}.ffn_norm.weight")
+        add(f"blk.{i}.attn_q.weight", type_of("attn_q", i), heads * head_dim, h)
+        add(f"blk.{i}.attn_k.weight", type_of("attn_k", i), kv_heads * head_dim, h)
+        add(f"blk.{i}.attn_v.weight", type_of("attn_v", i), kv_heads * head_dim, h)
+        add(f"blk.{i}.attn_output.weight", type_of("attn_output", i), h, heads * head_dim)
+        add(f"blk.{i}.ffn_gate.weight", type_of("ffn_gate", i), inter, h)
+        add(f"blk.{i}.ffn_up.weight", type_of("ffn_up", i), inter, h)
+        add(f"blk.{i}.ffn_down.weight", type_of("ffn_down", i), h, inter)
+    add_norm("output_norm.weight")
+    if not tied:
+        add("output.weight", type_of("output", 0), vocab, h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main(argv: Any = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--mix", default="q4_k_m", help="q4_k_m or one type name (Q8_0, Q4_0, ...)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    write_llama_gguf(args.path, SHAPES[args.shape], args.mix, args.seed)
+    print(args.path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Quantization methods: how a layer's weights are stored and multiplied.
+
+A `QuantizationConfig` is chosen once per model from the checkpoint (`resolve_quantization`
+names it, `get_quantization_config` builds it) and hands each linear / embedding layer a
+method object (`QuantizeMethodBase`: create weights, load them, process them after
+loading, apply). Layers built without a config use the unquantized method
+(`pagellm.model_executor.layers.linear.UnquantizedLinearMethod`).
+
+A new method goes in a module here and one line in `QUANTIZATION_METHODS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagellm.logger import init_logger
+from pagellm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+
+logger = init_logger(__name__)
+
+QUANTIZATION_METHODS = ("gguf",)
+"""Names `--quantization` takes besides 'none' (dequantize / keep the checkpoint dtype)."""
+
+
+def resolve_quantization(requested: str | None, model_path: str, device: str) -> str | None:
+    """The method a model runs with: None (weights in the model dtype) or a name from
+    QUANTIZATION_METHODS. `requested` None detects it from the checkpoint ('gguf' for a
+    .gguf file on CPU); 'none' forces unquantized weights (GGUF files dequantized at load)."""
+    from pagellm.model_executor import weight_utils
+
+    is_gguf = weight_utils.is_gguf(model_path)
+    if requested is None:
+        if not is_gguf:
+            return None
+        if device != "cpu":
+            logger.info("GGUF weights are dequantized at load on %s (quantized kernels are CPU only)", device)
+            return None
+        return "gguf"
+    if requested == "none":
+        return None
+    if requested not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization={requested!r} is not supported; choose one of "
+            f"{', '.join(QUANTIZATION_METHODS)} or 'none' (default: detected from the checkpoint)"
+        )
+    if requested == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a .gguf model file; {model_path} is not one")
+    if device != "cpu":
+        raise ValueError(f"quantization={requested!r} runs on CPU only; got device={device!r}")
+    return requested
+
+
+def get_quantization_config(model_config: Any) -> QuantizationConfig | None:
+    """The config object for `model_config.quantization` (None: unquantized)."""
+    name = getattr(model_config, "quantization", None)
+    if name is None:
+        return None
+    if name == "gguf":
+        from pagellm.model_executor.layers.quantization.gguf import GGUFConfig
+
+        return GGUFConfig(model_config.model_path)
+    raise ValueError(f"unknown quantization method {name!r}")
+
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "QuantizationConfig",
+    "QuantizeMethodBase",
+    "get_quantization_config",
+    "resolve_quantization",
+]

@@ -1,0 +1,227 @@
+"""GGUF weights kept quantized: linears and the embedding multiply the file's blocks
+directly through the CPU kernels in `kernels/ggml_cpu.c`.
+
+Storage. A weight used as it is (o_proj, down_proj, the embedding, an untied head) stays
+a view of the memory-mapped file. A fused layer (q|k|v, gate|up) gets one owned copy of
+its parts' rows, read from the file (the llama q/k row order restored: whole quantized
+rows move, nothing becomes float); parts of different types (Q4_K_M mixes Q4_K and Q6_K)
+stay separate groups, each multiplied into its own column range of the output. A type
+with no kernel is dequantized to float32 at load, with one log line naming the tensor.
+
+Shapes. Up to `DIRECT_MAX_ROWS` rows (decode steps) the kernel reads each weight row
+once and dots it with every input row (memory-bound: the weight's bytes are the cost).
+More rows (prefill, big batches) are compute-bound: a tile of weight rows is dequantized
+into a float32 scratch buffer and multiplied by torch's matmul.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagellm.logger import init_logger
+from pagellm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from pagellm.model_executor.layers.quantization.kernels import load_kernels
+
+logger = init_logger(__name__)
+
+DIRECT_MAX_ROWS = 8
+"""Input rows up to which the direct kernel runs; above, dequantized tiles + matmul."""
+
+SCRATCH_VALUES = 1 << 22
+"""float32 values in the dequantization scratch tile (16 MiB)."""
+
+F32_TYPE = 0
+
+
+@dataclass
+class WeightGroup:
+    """Consecutive output rows [row_start, row_start + rows) stored as one block matrix."""
+
+    qtype: int
+    data: np.ndarray  # uint8 [rows, row_bytes]
+    row_start: int
+    rows: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1]
+
+
+class GGUFConfig(QuantizationConfig):
+    """Linears and the embedding of a GGUF file keep the file's block types."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "gguf"
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+        from pagellm.model_executor.layers.linear import Embedding, Linear
+
+        if isinstance(layer, Linear):
+            return GGUFLinearMethod()
+        if isinstance(layer, Embedding):
+            return GGUFEmbeddingMethod()
+        return None
+
+
+def _kernels() -> Any:
+    lib = load_kernels()
+    if lib is None:
+        raise RuntimeError(
+            "the GGUF CPU kernels are not available (no C compiler, or the build failed: "
+            "see the log); run with quantization='none' to dequantize at load"
+        )
+    return lib
+
+
+def _as_block_matrix(layer_name: str, loaded: Any, rows: int, cols: int) -> tuple[int, Any]:
+    """(ggml type, GGUFTensor or float32 array) for one checkpoint part, checked against
+    the expected [rows, cols]; types without a kernel become float32 here."""
+    shape = tuple(loaded.shape)
+    if shape != (rows, cols):
+        raise ValueError(f"{layer_name}: expected a [{rows}, {cols}] weight, got {list(shape)}")
+    if isinstance(loaded, torch.Tensor):
+        return F32_TYPE, loaded.detach().to(torch.float32).contiguous().numpy()
+    if not _kernels().pg_type_supported(loaded.qtype):
+        logger.info("%s: no CPU kernel for %s; tensor %s dequantized to float32 at load",
+                    loaded.path, loaded.type_name, loaded.name)
+        return F32_TYPE, loaded.dequantize()
+    return loaded.qtype, loaded
+
+
+def _owned_rows(part: Any) -> np.ndarray:
+    """uint8 [rows, row_bytes] owned rows of one part (a GGUFTensor or a float32 array)."""
+    if isinstance(part, np.ndarray):
+        return np.ascontiguousarray(part, dtype=np.float32).view(np.uint8)
+    return part.read_rows()
+
+
+class GGUFLinearMethod(QuantizeMethodBase):
+    """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
+                       bias: bool) -> None:
+        layer.loaded_parts = [None] * len(output_sizes)
+        layer.weight_groups = []
+
+    def load_weight(self, layer: nn.Module, shard: int, loaded: Any) -> None:
+        name = f"{layer.prefix or 'linear'} (part {shard})"
+        layer.loaded_parts[shard] = _as_block_matrix(
+            name, loaded, layer.output_sizes[shard], layer.in_features)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = layer.loaded_parts
+        if not parts or any(p is None for p in parts):
+            return  # already processed (or a tied head filled by the embedding)
+        groups: list[WeightGroup] = []
+        shard = 0
+        while shard < len(parts):
+            qtype = parts[shard][0]
+            end = shard
+            while end + 1 < len(parts) and parts[end + 1][0] == qtype:
+                end += 1
+            members = [p for _, p in parts[shard : end + 1]]
+            start = layer.offsets[shard]
+            rows = sum(layer.output_sizes[shard : end + 1])
+            groups.append(WeightGroup(qtype, _group_data(members), start, rows))
+            shard = end + 1
+        layer.weight_groups = groups
+        layer.loaded_parts = []
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = gguf_matmul(layer.weight_groups, x, layer.out_features)
+        return y if bias is None else y + bias
+
+
+def _group_data(members: list[Any]) -> np.ndarray:
+    """One block matrix for parts of one type: a single part used as it is stays the
+    file's mapping; several (or reordered) rows become one owned copy."""
+    if len(members) == 1:
+        part = members[0]
+        if isinstance(part, np.ndarray):
+            return part.view(np.uint8)
+        if part.row_order is None:
+            return part.data
+        return part.read_rows()
+    return np.concatenate([_owned_rows(p) for p in members])
+
+
+_scratch = threading.local()
+
+
+def _scratch_tile(values: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < values:
+        buf = _scratch.buf = torch.empty(values, dtype=torch.float32)
+    return buf[:values]
+
+
+def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups."""
+    lib = _kernels()
+    if x.dtype != torch.float32:
+        raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
+    x = x.contiguous()
+    m, k = x.shape
+    if m <= DIRECT_MAX_ROWS:
+        y = torch.empty(m, n_out, dtype=torch.float32)
+        for g in groups:
+            rc = lib.pg_gemm(g.qtype, g.data.ctypes.data, g.row_bytes, g.rows, k, x.data_ptr(),
+                             k, m, y.data_ptr() + 4 * g.row_start, n_out)
+            if rc != 0:
+                raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
+        return y
+    # Compute-bound: tiles of dequantized rows, each multiplied as W_tile @ x.T into the
+    # rows of y.T (contiguous), returned as the transposed view [M, n_out].
+    yt = torch.empty(n_out, m, dtype=torch.float32)
+    xt = x.t()
+    tile_rows = max(1, SCRATCH_VALUES // k)
+    for g in groups:
+        for r0 in range(0, g.rows, tile_rows):
+            rows = min(tile_rows, g.rows - r0)
+            tile = _scratch_tile(rows * k)
+            lib.pg_dequant_rows(g.qtype, g.data.ctypes.data, g.row_bytes, k, None, r0, rows,
+                                tile.data_ptr())
+            start = g.row_start + r0
+            torch.mm(tile.view(rows, k), xt, out=yt[start : start + rows])
+    return yt.t()
+
+
+class GGUFEmbeddingMethod:
+    """The token table in GGUF blocks; looked-up rows are dequantized on the fly."""
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int) -> None:
+        layer.weight_groups = []
+
+    def load_weight(self, layer: nn.Module, loaded: Any) -> None:
+        name = layer.prefix or "embedding"
+        qtype, part = _as_block_matrix(name, loaded, layer.num_embeddings, layer.embedding_dim)
+        layer.weight_groups = [WeightGroup(qtype, _group_data([part]), 0, layer.num_embeddings)]
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        (g,) = layer.weight_groups
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(*ids.shape, layer.embedding_dim, dtype=torch.float32)
+        _kernels().pg_dequant_rows(g.qtype, g.data.ctypes.data, g.row_bytes, layer.embedding_dim,
+                                   ids.data_ptr(), 0, ids.numel(), out.data_ptr())
+        return out
+
+    def tie_head(self, layer: nn.Module, head: nn.Module) -> None:
+        """The head multiplies by the same blocks (shared, not copied)."""
+        if not isinstance(head.quant_method, GGUFLinearMethod):
+            raise TypeError("a GGUF embedding can only be tied to a GGUF head")
+        head.weight_groups = list(layer.weight_groups)
+        head.loaded_parts = []

@@ -1,0 +1,548 @@
+/* CPU kernels for GGUF block-quantized weights x float32 activations.
+ *
+ * A weight W [N, K] is stored as the GGUF file stores it: N rows, each row K/B blocks
+ * of one ggml type (B values per block), `row_bytes` bytes per row. Activations and
+ * results are float32; the weight values each kernel computes with are those of gguf's
+ * reference dequantization (the same formulas, block by block), so results differ from
+ * "dequantize, then a float32 matmul" only by summation order.
+ *
+ *   pg_gemm          Y[m, n] = sum_k X[m, k] * W[n, k]   (rows of Y strided by ldy)
+ *   pg_dequant_rows  out[i, :] = W[ids ? ids[i] : n0 + i, :] as float32
+ *
+ * Threads: OpenMP over output rows, linked against the OpenMP runtime torch already
+ * loaded (same soname), so the kernels and torch share one thread pool and one
+ * thread count (torch.set_num_threads).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PG_NO_SIMD)
+#include <immintrin.h>
+#define PG_AVX2 1
+#endif
+
+/* ggml type ids (gguf.GGMLQuantizationType). */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_XS = 23,
+    T_BF16 = 30,
+};
+
+/* ------------------------------------------------------------------ scalars */
+
+static inline float fp16_to_fp32(uint16_t h) {
+#ifdef PG_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float load_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return fp16_to_fp32(h);
+}
+
+static inline float bf16_to_fp32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block. */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                         1,    13,   25,  38,  53,  69,  89,  113};
+
+/* Values per block and bytes per block of each type; 0 for types without a kernel. */
+static void type_traits(int type, int64_t *block, int64_t *bytes) {
+    switch (type) {
+        case T_F32: *block = 1; *bytes = 4; return;
+        case T_F16: *block = 1; *bytes = 2; return;
+        case T_BF16: *block = 1; *bytes = 2; return;
+        case T_Q4_0: *block = 32; *bytes = 18; return;
+        case T_Q4_1: *block = 32; *bytes = 20; return;
+        case T_Q5_0: *block = 32; *bytes = 22; return;
+        case T_Q5_1: *block = 32; *bytes = 24; return;
+        case T_Q8_0: *block = 32; *bytes = 34; return;
+        case T_Q2_K: *block = 256; *bytes = 84; return;
+        case T_Q3_K: *block = 256; *bytes = 110; return;
+        case T_Q4_K: *block = 256; *bytes = 144; return;
+        case T_Q5_K: *block = 256; *bytes = 176; return;
+        case T_Q6_K: *block = 256; *bytes = 210; return;
+        case T_IQ4_XS: *block = 256; *bytes = 136; return;
+        default: *block = 0; *bytes = 0; return;
+    }
+}
+
+int pg_type_supported(int type) {
+    int64_t b, s;
+    type_traits(type, &b, &s);
+    return b != 0;
+}
+
+/* ----------------------------------------------- 32 values at a time, portable
+ * deq32_<type>(row, g, out): values 32g .. 32g+31 of a row into out[32]. The AVX2
+ * build uses them only for the rarer types (Q2_K, Q3_K, IQ4_XS). */
+#define PORTABLE static __attribute__((unused)) void
+
+PORTABLE deq32_q4_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 18, *qs = b + 2;
+    float d = load_f16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = ((qs[j] & 0x0F) - 8) * d;
+        y[j + 16] = ((qs[j] >> 4) - 8) * d;
+    }
+}
+
+PORTABLE deq32_q4_1(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 20, *qs = b + 4;
+    float d = load_f16(b), m = load_f16(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = (qs[j] & 0x0F) * d + m;
+        y[j + 16] = (qs[j] >> 4) * d + m;
+    }
+}
+
+PORTABLE deq32_q5_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 22, *qs = b + 6;
+    float d = load_f16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; j++) {
+        int x0 = ((qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10)) - 16;
+        int x1 = ((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16;
+        y[j] = x0 * d;
+        y[j + 16] = x1 * d;
+    }
+}
+
+PORTABLE deq32_q5_1(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 24, *qs = b + 8;
+    float d = load_f16(b), m = load_f16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; j++) {
+        int x0 = (qs[j] & 0x0F) | (((qh >> j) << 4) & 0x10);
+        int x1 = (qs[j] >> 4) | ((qh >> (j + 12)) & 0x10);
+        y[j] = x0 * d + m;
+        y[j + 16] = x1 * d + m;
+    }
+}
+
+PORTABLE deq32_q8_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 34;
+    const int8_t *qs = (const int8_t *)(b + 2);
+    float d = load_f16(b);
+    for (int j = 0; j < 32; j++) y[j] = qs[j] * d;
+}
+
+PORTABLE deq32_q2_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 84, *scales = b, *qs = b + 16;
+    int s = (int)(g & 7), h = s >> 2, j = s & 3, shift = 2 * j;
+    float d = load_f16(b + 80), dmin = load_f16(b + 82);
+    const uint8_t *q = qs + 32 * h;
+    for (int half = 0; half < 2; half++) {
+        uint8_t sc = scales[8 * h + 2 * j + half];
+        float dl = d * (sc & 0xF), ml = dmin * (sc >> 4);
+        for (int l = 0; l < 16; l++) y[16 * half + l] = dl * ((q[16 * half + l] >> shift) & 3) - ml;
+    }
+}
+
+PORTABLE deq32_q3_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 110, *hm = b, *qs = b + 32;
+    int s = (int)(g & 7), h = s >> 2, j = s & 3, shift = 2 * j;
+    float d_all = load_f16(b + 108);
+    uint32_t aux[4];
+    const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
+    memcpy(aux, b + 96, 12);
+    uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4);
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+    const int8_t *scales = (const int8_t *)aux;
+    const uint8_t *q = qs + 32 * h;
+    uint8_t m = (uint8_t)(1u << (4 * h + j));
+    for (int half = 0; half < 2; half++) {
+        float dl = d_all * (scales[8 * h + 2 * j + half] - 32);
+        for (int l = 0; l < 16; l++) {
+            int i = 16 * half + l;
+            y[i] = dl * ((int8_t)((q[i] >> shift) & 3) - ((hm[i] & m) ? 0 : 4));
+        }
+    }
+}
+
+PORTABLE deq32_q4_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 144, *q = b + 16 + 32 * ((g & 7) >> 1);
+    int s = (int)(g & 7);
+    uint8_t sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    if (s & 1) {
+        for (int l = 0; l < 32; l++) y[l] = d * (q[l] >> 4) - mn;
+    } else {
+        for (int l = 0; l < 32; l++) y[l] = d * (q[l] & 0xF) - mn;
+    }
+}
+
+PORTABLE deq32_q5_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 176, *qh = b + 16, *ql = b + 48 + 32 * ((g & 7) >> 1);
+    int s = (int)(g & 7);
+    uint8_t sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    for (int l = 0; l < 32; l++) {
+        int v = ((s & 1) ? (ql[l] >> 4) : (ql[l] & 0xF)) + (((qh[l] >> s) & 1) ? 16 : 0);
+        y[l] = d * v - mn;
+    }
+}
+
+PORTABLE deq32_q6_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 210;
+    int s = (int)(g & 7), h = s >> 2, t = s & 3;
+    const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+    float d = load_f16(b + 208);
+    for (int l = 0; l < 32; l++) {
+        int lo = (t >= 2) ? (ql[l] >> 4) : (ql[l] & 0xF);
+        int q = (lo | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+        y[l] = d * sc[l >> 4] * q;
+    }
+}
+
+PORTABLE deq32_iq4_xs(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 136;
+    int ib = (int)(g & 7);
+    uint16_t scales_h;
+    memcpy(&scales_h, b + 2, 2);
+    const uint8_t *scales_l = b + 4, *qs = b + 8 + 16 * ib;
+    int ls = ((scales_l[ib / 2] >> 4 * (ib % 2)) & 0xf) | (((scales_h >> 2 * ib) & 3) << 4);
+    float dl = load_f16(b) * (ls - 32);
+    for (int j = 0; j < 16; j++) {
+        y[j] = dl * kvalues_iq4nl[qs[j] & 0xf];
+        y[j + 16] = dl * kvalues_iq4nl[qs[j] >> 4];
+    }
+}
+
+/* ----------------------------------------------- 32 values at a time, AVX2 */
+#ifdef PG_AVX2
+
+static inline void store_u8x32(__m256i q, __m256 d, __m256 m, float *y) {
+    /* y = float(q) * d + m for 32 unsigned bytes q */
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m));
+    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m));
+    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m));
+}
+
+static inline void store_i8x32_mul(__m256i q, __m256 d, float *y) {
+    /* y = float(q) * d for 32 signed bytes q */
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y + 0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d));
+}
+
+/* 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then high. */
+static inline __m256i nibbles_32(const uint8_t *qs) {
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+/* Bit i of `bits` -> byte i of the result: 0x10 where set, else 0. */
+static inline __m256i bits_to_0x10(uint32_t bits) {
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                              0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+static inline void avx_q4_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 18;
+    __m256i q = _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
+    store_i8x32_mul(q, _mm256_set1_ps(load_f16(b)), y);
+}
+
+static inline void avx_q4_1(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 20;
+    store_u8x32(nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), y);
+}
+
+static inline void avx_q5_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 22;
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    __m256i q = _mm256_or_si256(nibbles_32(b + 6), bits_to_0x10(qh));
+    store_i8x32_mul(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), _mm256_set1_ps(load_f16(b)), y);
+}
+
+static inline void avx_q5_1(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 24;
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    __m256i q = _mm256_or_si256(nibbles_32(b + 8), bits_to_0x10(qh));
+    store_u8x32(q, _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), y);
+}
+
+static inline void avx_q8_0(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + g * 34;
+    store_i8x32_mul(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_ps(load_f16(b)), y);
+}
+
+static inline void avx_q4_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 144;
+    int s = (int)(g & 7);
+    uint8_t sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
+    if (s & 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    store_u8x32(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), y);
+}
+
+static inline void avx_q5_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 176;
+    int s = (int)(g & 7);
+    uint8_t sc, m;
+    scale_min_k4(s, b + 4, &sc, &m);
+    __m256i q = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (s >> 1)));
+    if (s & 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
+    q = _mm256_or_si256(q, _mm256_slli_epi16(qh, 4));
+    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    store_u8x32(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), y);
+}
+
+static inline void avx_q6_k(const uint8_t *row, int64_t g, float *y) {
+    const uint8_t *b = row + (g >> 3) * 210;
+    int s = (int)(g & 7), h = s >> 2, t = s & 3;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+    if (t >= 2) ql = _mm256_srli_epi16(ql, 4);
+    ql = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+    __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
+    const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+    float d = load_f16(b + 208);
+    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    __m256 d0 = _mm256_set1_ps(d * sc[0]), d1 = _mm256_set1_ps(d * sc[1]);
+    _mm256_storeu_ps(y + 0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+}
+
+#define DEQ(name) avx_##name
+#else
+#define DEQ(name) deq32_##name
+#endif
+
+/* --------------------------------------------------------------- whole rows */
+
+/* Row `row` (K values of `type`) as K float32 values in out. */
+static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
+    int64_t groups = K / 32;
+    switch (type) {
+        case T_F32: memcpy(out, row, (size_t)K * 4); return;
+        case T_F16: {
+            int64_t k = 0;
+#ifdef PG_AVX2
+            for (; k + 8 <= K; k += 8)
+                _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))));
+#endif
+            for (; k < K; k++) out[k] = load_f16(row + 2 * k);
+            return;
+        }
+        case T_BF16: {
+            for (int64_t k = 0; k < K; k++) {
+                uint16_t h;
+                memcpy(&h, row + 2 * k, 2);
+                out[k] = bf16_to_fp32(h);
+            }
+            return;
+        }
+#define ROW_CASE(T, name) \
+        case T: for (int64_t g = 0; g < groups; g++) DEQ(name)(row, g, out + 32 * g); return;
+        ROW_CASE(T_Q4_0, q4_0)
+        ROW_CASE(T_Q4_1, q4_1)
+        ROW_CASE(T_Q5_0, q5_0)
+        ROW_CASE(T_Q5_1, q5_1)
+        ROW_CASE(T_Q8_0, q8_0)
+        ROW_CASE(T_Q4_K, q4_k)
+        ROW_CASE(T_Q5_K, q5_k)
+        ROW_CASE(T_Q6_K, q6_k)
+#undef ROW_CASE
+        case T_Q2_K: for (int64_t g = 0; g < groups; g++) deq32_q2_k(row, g, out + 32 * g); return;
+        case T_Q3_K: for (int64_t g = 0; g < groups; g++) deq32_q3_k(row, g, out + 32 * g); return;
+        case T_IQ4_XS: for (int64_t g = 0; g < groups; g++) deq32_iq4_xs(row, g, out + 32 * g); return;
+        default: return;
+    }
+}
+
+/* sum_k a[k] * b[k] */
+static inline float dot1(const float *a, const float *b, int64_t K) {
+    int64_t k = 0;
+    float tail = 0.0f;
+#ifdef PG_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 16), _mm256_loadu_ps(b + k + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
+    }
+    for (; k + 8 <= K; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    tail = _mm_cvtss_f32(h);
+#endif
+    for (; k < K; k++) tail += a[k] * b[k];
+    return tail;
+}
+
+#ifdef PG_AVX2
+static inline float hsum(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* out[i] = sum_k w[k] * x[i][k] for 4 rows of x (stride ldx) */
+static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+           b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), b0);
+        a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), a1);
+        b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);
+        a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x2 + k), a2);
+        b2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x2 + k + 8), b2);
+        a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);
+        b3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x3 + k + 8), b3);
+    }
+    float r0 = hsum(_mm256_add_ps(a0, b0)), r1 = hsum(_mm256_add_ps(a1, b1));
+    float r2 = hsum(_mm256_add_ps(a2, b2)), r3 = hsum(_mm256_add_ps(a3, b3));
+    for (; k < K; k++) {
+        r0 += w[k] * x0[k];
+        r1 += w[k] * x1[k];
+        r2 += w[k] * x2[k];
+        r3 += w[k] * x3[k];
+    }
+    out[0] = r0;
+    out[1] = r1;
+    out[2] = r2;
+    out[3] = r3;
+}
+#endif
+
+/* ------------------------------------------------------------------ entries */
+
+/* Y[m, n] = sum_k X[m, k] * W[n, k] for m < M, n < N. Each output row n dequantizes
+ * its weight row once into a per-thread buffer and takes the dot product with every
+ * row of X (the weight is read once whatever M is). Returns 0, or -1 for a type
+ * without a kernel / memory failure. */
+int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+            const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
+    if (!pg_type_supported(type)) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *wrow = (float *)aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
+        if (wrow == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                const float *w = wrow;
+                if (type == T_F32) {
+                    w = (const float *)(W + n * row_bytes);
+                } else {
+                    dequant_row(type, W + n * row_bytes, K, wrow);
+                }
+                int64_t m = 0;
+#ifdef PG_AVX2
+                float r[4];
+                for (; m + 4 <= M; m += 4) {
+                    dot4(w, X + m * ldx, ldx, K, r);
+                    Y[m * ldy + n] = r[0];
+                    Y[(m + 1) * ldy + n] = r[1];
+                    Y[(m + 2) * ldy + n] = r[2];
+                    Y[(m + 3) * ldy + n] = r[3];
+                }
+#endif
+                for (; m < M; m++) Y[m * ldy + n] = dot1(w, X + m * ldx, K);
+            }
+            free(wrow);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* out[i, :] = row (ids ? ids[i] : n0 + i) of W as float32, for i < count. */
+int pg_dequant_rows(int type, const uint8_t *W, int64_t row_bytes, int64_t K,
+                    const int64_t *ids, int64_t n0, int64_t count, float *out) {
+    if (!pg_type_supported(type)) return -1;
+#pragma omp parallel for schedule(static) if (count * K >= 65536)
+    for (int64_t i = 0; i < count; i++) {
+        int64_t r = ids ? ids[i] : n0 + i;
+        dequant_row(type, W + r * row_bytes, K, out + i * K);
+    }
+    return 0;
+}
+
+/* 1 when this build uses the AVX2 paths (for the log line). */
+int pg_simd_level(void) {
+#ifdef PG_AVX2
+    return 2;
+#else
+    return 0;
+#endif
+}
