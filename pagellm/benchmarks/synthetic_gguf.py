@@ -21,7 +21,7 @@ _F16_FIELDS: dict[str, list[tuple[int, int]]] = {
     "Q4_0": [(0, 2)], "Q4_1": [(0, 2), (2, 4)], "Q5_0": [(0, 2)], "Q5_1": [(0, 2), (2, 4)],
     "Q8_0": [(0, 2)], "Q2_K": [(80, 82), (82, 84)], "Q3_K": [(108, 110)],
     "Q4_K": [(0, 2), (2, 4)], "Q5_K": [(0, 2), (2, 4)], "Q6_K": [(208, 210)],
-    "IQ4_XS": [(0, 2)],
+    "IQ4_XS": [(0, 2)], "IQ4_NL": [(0, 2)],
 }  # fmt: skip
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -51,7 +51,7 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator,
     data = rng.integers(0, 256, size=(rows, nblocks, size), dtype=np.uint8)
     # block-scale magnitude so that dequantized values stay near `scale`
     levels = {"Q8_0": 64.0, "Q2_K": 2.0 * 8, "Q3_K": 4.0 * 32, "Q6_K": 32.0 * 64,
-              "IQ4_XS": 64.0 * 32, "Q4_K": 8.0 * 32, "Q5_K": 16.0 * 32}.get(qtype, 8.0)
+              "IQ4_XS": 64.0 * 32, "IQ4_NL": 64.0 * 32, "Q4_K": 8.0 * 32, "Q5_K": 16.0 * 32}.get(qtype, 8.0)
     for start, end in _F16_FIELDS[qtype]:
         d = (rng.uniform(0.5, 1.5, size=(rows, nblocks)) * scale / levels).astype(np.float16)
         data[:, :, start:end] = d.view(np.uint8).reshape(rows, nblocks, 2)
@@ -94,6 +94,7 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     w.add_tokenizer_model("gpt2")
     tokens = [f"<t{i}>" for i in range(vocab)]
     w.add_token_list(tokens)
+    w.add_token_scores([0.0] * vocab)
     w.add_token_types([1] * vocab)
     w.add_token_merges([])
     w.add_bos_token_id(0)

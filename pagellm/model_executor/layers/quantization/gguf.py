@@ -86,6 +86,9 @@ def _kernels() -> Any:
     return lib
 
 
+_logged_fallbacks: set[tuple[str, int]] = set()
+
+
 def _as_block_matrix(layer_name: str, loaded: Any, rows: int, cols: int) -> tuple[int, Any]:
     """(ggml type, GGUFTensor or float32 array) for one checkpoint part, checked against
     the expected [rows, cols]; types without a kernel become float32 here."""
@@ -95,8 +98,10 @@ def _as_block_matrix(layer_name: str, loaded: Any, rows: int, cols: int) -> tupl
     if isinstance(loaded, torch.Tensor):
         return F32_TYPE, loaded.detach().to(torch.float32).contiguous().numpy()
     if not _kernels().pg_type_supported(loaded.qtype):
-        logger.info("%s: no CPU kernel for %s; tensor %s dequantized to float32 at load",
-                    loaded.path, loaded.type_name, loaded.name)
+        if (loaded.path, loaded.qtype) not in _logged_fallbacks:  # one line per file and type
+            _logged_fallbacks.add((loaded.path, loaded.qtype))
+            logger.info("%s: no CPU kernel for %s; its tensors (first: %s) are dequantized to "
+                        "float32 at load", loaded.path, loaded.type_name, loaded.name)
         return F32_TYPE, loaded.dequantize()
     return loaded.qtype, loaded
 

@@ -1,0 +1,269 @@
+"""GGUF weights kept quantized: the CPU kernels against float64 products of gguf's
+reference dequantization, the block matrices the layers keep, a synthetic Q4_K_M model
+(memory, greedy tokens through every client), unsupported types, truncated files."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from pagellm.attention import get_attn_backend
+from pagellm.benchmarks.synthetic_gguf import SHAPES, random_blocks, write_llama_gguf
+from pagellm.model_executor import weight_utils
+from pagellm.model_executor.layers.quantization import gguf as gguf_method
+from pagellm.model_executor.layers.quantization import kernels, resolve_quantization
+from pagellm.model_executor.loader import get_model
+from tests.utils import make_model_config
+
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]  # fmt: skip
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> Any:
+    """caplog for the 'pagellm' logger (which does not propagate to the root)."""
+    root = logging.getLogger("pagellm")
+    root.addHandler(caplog.handler)
+    yield caplog
+    root.removeHandler(caplog.handler)
+
+
+def _reference(data: np.ndarray, qtype: str, rows: int, cols: int) -> np.ndarray:
+    t = gguf.GGMLQuantizationType[qtype]
+    return np.asarray(gguf.quants.dequantize(data, t), dtype=np.float64).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "portable"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_product_matches_float64_reference(qtype: str, simd: bool) -> None:
+    """‖y − y_ref‖ / ‖y_ref‖ <= 1e-5 for M = 1, 3, 16, 64, 300 on a 37 x 768 weight (K, N
+    not powers of two), and the rows the kernel dequantizes equal gguf's bit for bit."""
+    lib = kernels.load_kernels(simd)
+    assert lib is not None
+    rng = np.random.default_rng(7)
+    n, k = 37, 768
+    data = random_blocks(qtype, n, k, rng)
+    ref = _reference(data, qtype, n, k)
+    t = int(gguf.GGMLQuantizationType[qtype])
+    rows = np.zeros((n, k), np.float32)
+    assert lib.pg_dequant_rows(t, data.ctypes.data, data.shape[1], k, None, 0, n, rows.ctypes.data) == 0
+    np.testing.assert_array_equal(rows.astype(np.float64), ref)
+    for m in (1, 3, 16, 64, 300):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.zeros((m, n), np.float32)
+        rc = lib.pg_gemm(t, data.ctypes.data, data.shape[1], n, k, x.ctypes.data, k, m,
+                         y.ctypes.data, n)
+        assert rc == 0
+        y_ref = x.astype(np.float64) @ ref.T
+        assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) <= 1e-5, (qtype, m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_gguf_matmul_groups_and_tiles(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused weight of two types (Q4_K rows then Q6_K rows, as in Q4_K_M's q|k|v) in
+    both shape paths: the direct kernel (few rows) and dequantized tiles + matmul (the
+    scratch tile forced smaller than a group, so a group takes several tiles)."""
+    monkeypatch.setattr(gguf_method, "SCRATCH_VALUES", 40 * 512)
+    rng = np.random.default_rng(3)
+    k = 512
+    a, b = random_blocks("Q4_K", 96, k, rng), random_blocks("Q6_K", 65, k, rng)
+    groups = [gguf_method.WeightGroup(int(gguf.GGMLQuantizationType.Q4_K), a, 0, 96),
+              gguf_method.WeightGroup(int(gguf.GGMLQuantizationType.Q6_K), b, 96, 65)]
+    w = np.concatenate([_reference(a, "Q4_K", 96, k), _reference(b, "Q6_K", 65, k)])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = gguf_method.gguf_matmul(groups, x, 161)
+    y_ref = x.double().numpy() @ w.T
+    assert y.shape == (m, 161)
+    assert np.linalg.norm(y.numpy() - y_ref) / np.linalg.norm(y_ref) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama in Q4_K_M's mix (Q4_K, with Q6_K attn_v/ffn_down in some layers and
+    a Q6_K head), random weights, llama.cpp's q/k row order."""
+    path = str(tmp_path_factory.mktemp("q4km") / "tiny-q4_k_m.gguf")
+    shape = dict(SHAPES["tiny"], layers=3)
+    write_llama_gguf(path, shape, "q4_k_m", seed=1)
+    return path
+
+
+def test_synthetic_file_has_q4_k_m_mix(q4_k_m_file: str) -> None:
+    reader = weight_utils.open_gguf(q4_k_m_file)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["output.weight"] == "Q6_K"
+    assert types["blk.0.attn_v.weight"] == "Q6_K" and types["blk.0.attn_q.weight"] == "Q4_K"
+    assert types["blk.1.ffn_down.weight"] == "Q4_K" and types["blk.2.ffn_down.weight"] == "Q6_K"
+
+
+def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: str) -> None:
+    """The block matrices the quantized model keeps (fused, q/k rows reordered) dequantize
+    bit-exactly to the float path's weights (gguf's dequantization, then the same fusion
+    and reordering); no float copy of a linear weight exists."""
+    backend = get_attn_backend("torch")
+    quant = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
+    flat = get_model(make_model_config(q4_k_m_file), torch.device("cpu"), backend)
+    attn = quant.model.layers[0].self_attn
+    assert [gguf.GGMLQuantizationType(g.qtype).name for g in attn.qkv_proj.weight_groups] == ["Q4_K", "Q6_K"]
+    assert not any(p.dim() == 2 for p in quant.parameters())  # only norms are float
+    checked: set[str] = set()
+    for name, module in quant.named_modules():
+        groups = getattr(module, "weight_groups", None)
+        if not groups:
+            continue
+        k = module.embedding_dim if hasattr(module, "embedding_dim") else module.in_features
+        got = np.concatenate([
+            _reference(g.data, gguf.GGMLQuantizationType(g.qtype).name, g.rows, k) for g in groups
+        ]).astype(np.float32)
+        np.testing.assert_array_equal(got, _float_weight(q4_k_m_file, name, flat), err_msg=name)
+        checked.add(name)
+    assert {"model.embed_tokens", "lm_head", "model.layers.2.self_attn.qkv_proj",
+            "model.layers.2.mlp.down_proj"} <= checked
+
+
+def _float_weight(path: str, name: str, flat: Any) -> np.ndarray:
+    """The float path's weight of layer `name`, rebuilt from the same dequantized
+    checkpoint tensors (the float model keeps it packed for oneDNN), fused in order."""
+    from pagellm.model_executor.models.llama import STACKED_PARAMS
+
+    parts: dict[int, np.ndarray] = {}
+    for hf_name, tensor in weight_utils.gguf_weights_iterator(path, flat.config):
+        module = hf_name.rsplit(".", 1)[0]
+        if hf_name.endswith(".weight") and module == name:
+            parts[0] = tensor.numpy()
+        for fused, part, shard in STACKED_PARAMS:
+            if module.endswith(f".{part}") and module[: -len(part)] + fused == name:
+                parts[shard] = tensor.numpy()
+    return np.concatenate([parts[i] for i in sorted(parts)])
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_loading_adds_at_most_1_15x_the_file(q4_k_m_file: str, tmp_path: Any) -> None:
+    """Resident memory added by building and loading the quantized model (after imports
+    and a first load that compiled nothing new) stays within 1.15x the file's size."""
+    path = str(tmp_path / "mem-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], hidden=512, inter=1536, layers=6, vocab=8192),
+                     "q4_k_m", seed=2)
+    size = os.path.getsize(path)
+    backend = get_attn_backend("torch")
+    get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
+    mc = make_model_config(path, quantization="gguf")
+    before = _rss()
+    model = get_model(mc, torch.device("cpu"), backend)
+    added = _rss() - before
+    assert model is not None
+    assert added <= 1.15 * size, f"loading added {added / 1e6:.1f} MB for a {size / 1e6:.1f} MB file"
+
+
+def test_synthetic_q4_k_m_same_tokens_in_every_client(q4_k_m_file: str) -> None:
+    """In-process, multiprocess and async clients generate the same greedy tokens on the
+    quantized path, and the float path (dequantized at load) agrees."""
+    import asyncio
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+
+    prompts = [[5, 9, 13, 200, 17], [300, 2, 44]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(model=q4_k_m_file, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+
+    def run_llm(mp: bool, quantization: str | None) -> list[list[int]]:
+        os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "1" if mp else "0"
+        try:
+            llm = LLM(quantization=quantization, **kwargs)
+            assert llm.llm_engine.model_config.quantization == {None: "gguf", "gguf": "gguf", "none": None}[quantization]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            llm.shutdown()
+            return [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            os.environ.pop("PAGELLM_ENABLE_MULTIPROCESSING", None)
+
+    inproc = run_llm(False, None)
+    assert run_llm(True, "gguf") == inproc
+
+    async def run_async() -> list[list[int]]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(**kwargs))
+        try:
+            results = []
+            for i, p in enumerate(prompts):
+                final = None
+                async for out in engine.generate({"prompt_token_ids": p}, params, f"r{i}"):
+                    final = out
+                results.append(list(final.outputs[0].token_ids))
+            return results
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run_async()) == inproc
+    assert run_llm(False, "none") == inproc
+
+
+def test_type_without_kernel_is_dequantized_and_logged(tmp_path: Any, logs: Any) -> None:
+    """A tensor in a type no kernel handles (IQ4_NL) still loads, dequantized to float32
+    with one log line naming the tensor and type, and multiplies like the reference."""
+    path = str(tmp_path / "iq4nl.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=1), "IQ4_NL", seed=3)
+    mc = make_model_config(path, quantization="gguf")
+    with logs.at_level(logging.INFO, logger="pagellm"):
+        model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    lines = [r.getMessage() for r in logs.records if "no CPU kernel" in r.getMessage()]
+    assert lines == [f"{path}: no CPU kernel for IQ4_NL; its tensors (first: token_embd.weight) "
+                     "are dequantized to float32 at load"]
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert [g.qtype for g in o_proj.weight_groups] == [gguf_method.F32_TYPE]
+    tensor = next(t for t in weight_utils.open_gguf(path).tensors if t.name == "blk.0.attn_output.weight")
+    ref = _reference(tensor.data, "IQ4_NL", 256, 256)
+    x = torch.randn(2, 256)
+    y = o_proj(x)
+    np.testing.assert_allclose(y.numpy(), x.double().numpy() @ ref.T, rtol=1e-4, atol=1e-5)
+
+
+def test_truncated_file_is_named(q4_k_m_file: str, tmp_path: Any) -> None:
+    path = str(tmp_path / "cut.gguf")
+    with open(q4_k_m_file, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) - 5000])
+    with pytest.raises(ValueError, match=rf"^{path}: "):
+        get_model(make_model_config(path, quantization="gguf"), torch.device("cpu"),
+                  get_attn_backend("torch"))
+
+
+def test_quantization_resolution(q4_k_m_file: str, tiny_model: Any) -> None:
+    model_dir = tiny_model("llama")
+    assert resolve_quantization(None, q4_k_m_file, "cpu") == "gguf"
+    assert resolve_quantization("none", q4_k_m_file, "cpu") is None
+    assert resolve_quantization(None, model_dir, "cpu") is None
+    assert resolve_quantization(None, q4_k_m_file, "cuda") is None
+    with pytest.raises(ValueError, match=r"quantization='awq' is not supported; choose one of gguf or 'none'"):
+        resolve_quantization("awq", q4_k_m_file, "cpu")
+    with pytest.raises(ValueError, match=rf"quantization='gguf' needs a .gguf model file; {model_dir} is not one"):
+        resolve_quantization("gguf", model_dir, "cpu")
+
+
+def test_no_compiler_falls_back_to_dequantized(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch,
+                                               logs: Any) -> None:
+    """Without a C compiler a GGUF file still runs (dequantized at load) and the log says
+    so; asking for 'gguf' explicitly is refused with the reason."""
+    monkeypatch.setattr(kernels, "_find_compiler", lambda: None)
+    kernels.load_kernels.cache_clear()
+    try:
+        with logs.at_level(logging.WARNING, logger="pagellm"):
+            assert resolve_quantization(None, q4_k_m_file, "cpu") is None
+        assert [r.getMessage() for r in logs.records] == [
+            "No C compiler (cc/gcc/clang) found: GGUF weights are dequantized to float32 at "
+            "load instead of running quantized (more memory, slower single-stream decode)"]
+        with pytest.raises(ValueError, match="needs the GGUF CPU kernels, which could not be built"):
+            resolve_quantization("gguf", q4_k_m_file, "cpu")
+    finally:
+        kernels.load_kernels.cache_clear()
