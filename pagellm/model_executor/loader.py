@@ -218,26 +218,34 @@ def _gguf_cache_key(path: str) -> str:
 def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
     """A fast tokenizer (with the model's chat template) for `tokenizer` or the model.
 
-    GGUF: the vocabulary is converted once by transformers (slow) and saved under
-    <cache>/tokenizers/<key of path, size, mtime>/, which later loads take in ~0.5 s.
+    GGUF: the vocabulary is converted once and saved under
+    <cache>/tokenizers/<key of path, size, mtime>-t<format>/, which later loads take in
+    ~0.5 s. A SentencePiece vocabulary (`tokenizer.ggml.model` llama) is built by
+    `gguf_tokenizer` to tokenize as llama.cpp; others (BPE) by transformers (slow).
     """
+    from pagellm.model_executor import gguf_tokenizer
+
     source = resolve_model_path(tokenizer) if tokenizer and tokenizer != path else path
     if not weight_utils.is_gguf(source):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(source)
-    cache_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "tokenizers", _gguf_cache_key(source))
+    key = f"{_gguf_cache_key(source)}-t{gguf_tokenizer.TOKENIZER_CACHE_FORMAT}"
+    cache_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "tokenizers", key)
     if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
         # Our own cache holds a fast tokenizer: its class directly, without AutoTokenizer's
         # config lookups (which import the model-config machinery, seconds).
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(cache_dir)
-    from transformers import AutoTokenizer
-
     directory, name = os.path.split(os.path.abspath(source))
     try:
-        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        if gguf_tokenizer.is_spm_gguf(source):
+            tok = gguf_tokenizer.build_spm_tokenizer(source)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     except Exception as e:
         raise ValueError(f"{source}: cannot build a tokenizer from the GGUF metadata: {e}") from e
     _save_atomically(tok, cache_dir)
