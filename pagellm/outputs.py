@@ -1,12 +1,46 @@
-"""User-facing results: RequestOutput holding one CompletionOutput per sample (n).
+"""Outputs: what the model runner hands the scheduler each step (ModelRunnerOutput,
+LogprobsLists) and what the user gets (RequestOutput, one CompletionOutput per sample).
 
-Built by the frontend's OutputProcessor; returned by LLM.generate and AsyncLLM.generate.
-Field names match vLLM's, so code written against vLLM reads these unchanged.
+The runner's outputs live here, in no package that `core` or `worker` owns, so neither
+imports the other. vLLM splits them into vllm/v1/outputs.py (runner) and vllm/outputs.py
+(user); pagellm has no v1 layer, so one `outputs` module holds both. LogprobsLists also
+rides to the frontend inside EngineCoreOutput (core/protocol.py) and becomes Logprob
+dicts there. Plain data: imports msgspec, never torch or another pagellm module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import msgspec
+
+# -- model runner -> scheduler ---------------------------------------------------------
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of some positions: for each position, the token ids and logprobs of the
+    sampled (or prompt) token first, then the top-k, and the rank of the first one."""
+
+    logprob_token_ids: list[list[int]]  # [num_positions][1 + k]
+    logprobs: list[list[float]]  # [num_positions][1 + k]
+    ranks: list[int]  # [num_positions] rank of the sampled/prompt token (1 = best)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner hands back after a step, keyed by request id."""
+
+    req_ids: list[str]
+    # One list per request in req_ids: the sampled token (empty while a prompt is
+    # still being prefilled in chunks and no token is due).
+    sampled_token_ids: list[list[int]]
+    # Logprobs of the sampled tokens for requests that asked for them.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Prompt logprobs computed this step (for the chunk just run), by request.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+# -- user-facing -----------------------------------------------------------------------
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""Attention backend seam and the forward context.
+"""Attention backend seam (abstract classes, vLLM's shape) and the forward context.
 
-The model runner builds one `CommonAttentionMetadata` per step (host tensors describing
-the flattened batch); a backend's builder turns it into its own metadata once per step,
+The model runner builds one `CommonAttentionMetadata` per step (tensors describing the
+flattened batch); a backend's builder turns it into its own metadata once per step,
 and every attention layer reads that metadata through the forward context. Backends
 know nothing about requests or scheduling, only token/block layout.
 """
@@ -9,9 +9,10 @@ know nothing about requests or scheduling, only token/block layout.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -42,11 +43,55 @@ class CommonAttentionMetadata:
     block_size: int
 
 
-class AttentionMetadataBuilder(Protocol):
-    def build(self, common: CommonAttentionMetadata) -> Any: ...
+class AttentionBackend(ABC):
+    """A backend is a class, never instantiated: selected once by name
+    (`pagellm.attention.get_attn_backend`) and handed to both the model, whose attention
+    layers make its impl, and the model runner, which makes its builder and KV cache."""
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The name it is registered and selected under (`--attention-backend`)."""
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        """The per-step metadata builder, made once by the model runner."""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        """The per-layer forward, made once by every attention layer."""
+
+    @staticmethod
+    @abstractmethod
+    def allocate_kv_cache(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (K, V) cache, uninitialised, each seen as [num_blocks, block_size,
+        num_kv_heads, head_dim]; the storage behind those views is the layout its impl
+        reads (the impl may refuse any other)."""
 
 
-class AttentionImpl(Protocol):
+class AttentionMetadataBuilder(ABC):
+    """Turns each step's CommonAttentionMetadata into the backend's own metadata, once
+    per step for all layers. Made as `cls(block_size, device, sliding_window=None)`."""
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """The backend's metadata for this step; layers read it from the forward context."""
+
+
+class AttentionImpl(ABC):
+    """One attention layer's forward. Made as
+    `cls(num_heads, head_dim, scale, num_kv_heads)` by the layer."""
+
+    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -55,7 +100,8 @@ class AttentionImpl(Protocol):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, kv_heads, head_dim]
         metadata: Any,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        ...
+        """Writes this step's key/value into `kv_cache` through the metadata's slot
+        mapping, then attends each query row to its request's context."""
 
 
 @dataclass

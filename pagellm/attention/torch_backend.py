@@ -22,7 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 
 @dataclass
@@ -108,7 +113,7 @@ class TorchAttentionMetadata:
     """Every row is a decode, in request order: the decode output is the whole output."""
 
 
-class TorchAttentionMetadataBuilder:
+class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(
         self, block_size: int, device: torch.device, sliding_window: int | None = None
     ) -> None:
@@ -188,7 +193,7 @@ class TorchAttentionMetadataBuilder:
         return PrefillChunk(start, end, ctx_len, seq_len, block_ids, mask)
 
 
-class TorchAttentionImpl:
+class TorchAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -359,8 +364,10 @@ def _write_kv(
     v_store.view(kvh, nb * bs, d).index_copy_(1, metadata.slot_mapping, v_rows)
 
 
-class TorchAttentionBackend:
-    name = "torch"
+class TorchAttentionBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "torch"
 
     @staticmethod
     def get_builder_cls() -> type[TorchAttentionMetadataBuilder]:

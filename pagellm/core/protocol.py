@@ -1,7 +1,8 @@
 """Messages that cross the frontend <-> engine-core boundary.
 
 Positional msgspec structs (array_like): fields are encoded by position, so new fields
-go at the end only. No pickle on the wire. Everything here is plain data.
+go at the end only. No pickle on the wire. Everything here is plain data. The one struct
+defined elsewhere is LogprobsLists (pagellm/outputs.py), which the model runner makes too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagellm.outputs import LogprobsLists
 from pagellm.sampling_params import SamplingParams
 
 
@@ -52,15 +54,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     data_parallel_rank: int | None = None
     client_index: int = 0
-
-
-class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
-    """Logprobs of some positions: for each position, the token ids and logprobs of the
-    sampled (or prompt) token first, then the top-k, and the rank of the first one."""
-
-    logprob_token_ids: list[list[int]]  # [num_positions][1 + k]
-    logprobs: list[list[float]]  # [num_positions][1 + k]
-    ranks: list[int]  # [num_positions] rank of the sampled/prompt token (1 = best)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

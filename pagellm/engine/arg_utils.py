@@ -19,6 +19,7 @@ from typing import Any, get_args, get_origin
 
 import torch
 
+from pagellm.attention import available_attn_backends
 from pagellm.config import (
     AttentionConfig,
     CacheConfig,
@@ -273,6 +274,11 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
+        if self.attention_backend not in available_attn_backends():
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(available_attn_backends())}; "
+                f"got {self.attention_backend!r}."
+            )
 
     def _resolve_device(self) -> str:
         if self.device == "auto":

@@ -10,8 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pagellm.core.protocol import EngineCoreRequest, LogprobsLists
-from pagellm.outputs import Logprob, SampleLogprobs
+from pagellm.core.protocol import EngineCoreRequest
+from pagellm.outputs import Logprob, LogprobsLists, SampleLogprobs
 
 try:  # tokenizers >= 0.21
     from tokenizers import Tokenizer

@@ -17,12 +17,12 @@ from pagellm.core.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
-    LogprobsLists,
 )
 from pagellm.engine.detokenizer import IncrementalDetokenizer, convert_logprobs
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from pagellm.outputs import (
     CompletionOutput,
+    LogprobsLists,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.core.protocol import LogprobsLists
+from pagellm.outputs import LogprobsLists
 from pagellm.sample import ops
 from pagellm.sample.metadata import SamplingMetadata
 

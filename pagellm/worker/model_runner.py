@@ -15,11 +15,16 @@ import psutil
 import torch
 
 from pagellm.attention import get_attn_backend
-from pagellm.attention.backend import CommonAttentionMetadata, set_forward_context
+from pagellm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    set_forward_context,
+)
 from pagellm.config import EngineConfig
-from pagellm.core.protocol import LogprobsLists
-from pagellm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.sched.output import SchedulerOutput
 from pagellm.logger import init_logger
+from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -56,7 +61,9 @@ class ModelRunner:
         from pagellm.model_executor.loader import get_model
 
         start = time.perf_counter()
-        self.attn_backend = get_attn_backend(self.config.attention_config.backend)
+        self.attn_backend: type[AttentionBackend] = get_attn_backend(
+            self.config.attention_config.backend
+        )
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.model.eval()
         self._forward = self.model.forward
@@ -64,7 +71,7 @@ class ModelRunner:
             self._forward = torch.compile(
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )
-        self.attn_builder = self.attn_backend.get_builder_cls()(
+        self.attn_builder: AttentionMetadataBuilder = self.attn_backend.get_builder_cls()(
             self.block_size, self.device, sliding_window=getattr(self.model, "sliding_window", None)
         )
         logger.info(

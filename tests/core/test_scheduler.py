@@ -16,11 +16,11 @@ from pagellm.core.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
-    LogprobsLists,
 )
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.scheduler import Scheduler
+from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sampling_params import SamplingParams
 
 # -- helpers ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pagellm.core.protocol import EngineCoreRequest, LogprobsLists
+from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.detokenizer import (
     BaseIncrementalDetokenizer,
     FastIncrementalDetokenizer,
@@ -16,6 +16,7 @@ from pagellm.engine.detokenizer import (
     check_stop_strings,
     convert_logprobs,
 )
+from pagellm.outputs import LogprobsLists
 from pagellm.sampling_params import SamplingParams
 
 MULTIBYTE = "héllo wörld 日本語 🎉"

@@ -13,7 +13,6 @@ from pagellm.core.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
-    LogprobsLists,
 )
 from pagellm.engine.output_processor import (
     OutputProcessor,
@@ -21,7 +20,7 @@ from pagellm.engine.output_processor import (
     RequestOutputCollector,
 )
 from pagellm.metrics.stats import IterationStats
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, LogprobsLists, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 TEXT = "Hello world, how are you today? Fine, thanks."

@@ -1,11 +1,10 @@
-"""Scheduling: the Scheduler, its waiting queues and the scheduler <-> runner contract.
+"""Scheduling: the Scheduler, its waiting queues and the scheduler -> runner contract.
 
 Pure Python (no torch): decides what runs each step; the model runner executes it.
 """
 
 from pagellm.core.sched.output import (
     CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
@@ -20,7 +19,6 @@ from pagellm.core.sched.scheduler import Scheduler
 __all__ = [
     "CachedRequestData",
     "FCFSRequestQueue",
-    "ModelRunnerOutput",
     "NewRequestData",
     "PriorityRequestQueue",
     "RequestQueue",

@@ -1,14 +1,14 @@
-"""The scheduler -> model runner contract for one step (and the runner's reply).
+"""The scheduler -> model runner contract for one step: SchedulerOutput.
 
 The scheduler knows no tensors and the runner knows no policy: this dataclass is all
-that passes between them. New requests arrive in full; running ones as diffs.
+that goes to the runner. New requests arrive in full; running ones as diffs. The reply,
+ModelRunnerOutput, is in pagellm/outputs.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagellm.core.protocol import LogprobsLists
 from pagellm.sampling_params import SamplingParams
 
 
@@ -58,20 +58,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the runner hands back after a step, keyed by request id."""
-
-    req_ids: list[str]
-    # One list per request in req_ids: the sampled token (empty while a prompt is
-    # still being prefilled in chunks and no token is due).
-    sampled_token_ids: list[list[int]]
-    # Logprobs of the sampled tokens for requests that asked for them.
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    # Prompt logprobs computed this step (for the chunk just run), by request.
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -17,18 +17,17 @@ from pagellm.core.protocol import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
-    LogprobsLists,
     SchedulerStats,
 )
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.output import (
     CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from pagellm.core.sched.request_queue import create_request_queue
 from pagellm.logger import init_logger
+from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from pagellm.config import CacheConfig, SchedulerConfig
