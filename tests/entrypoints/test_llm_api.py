@@ -43,7 +43,7 @@ def test_vllm_prompt_types_and_arguments(llm) -> None:
     by_text = llm.generate(TextPrompt(prompt=text), greedy, use_tqdm=False)[0]
     assert by_ids.prompt_token_ids == IDS and len(by_ids.outputs[0].token_ids) == 5
     assert by_text.prompt == text
-    with pytest.raises(ValueError, match=r"quantization='awq' is not supported by pagellm \(accepted: None, 'gguf'\)"):
+    with pytest.raises(ValueError, match=r"quantization='awq' is not supported; choose one of gguf or 'none' \(default: detected from the checkpoint\)"):
         LLM(quantization="awq")
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         llm.generate("x", greedy, lora_request=object(), use_tqdm=False)

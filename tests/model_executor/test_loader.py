@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.attention import get_attn_backend
 from pagellm.model_executor import loader
 from pagellm.model_executor.loader import (
     get_model,
@@ -119,13 +120,13 @@ def test_directory_without_weights(tiny_model, tmp_path: Path) -> None:  # noqa:
     src = tiny_model("llama")
     shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no \\*.safetensors weights found"):
-        get_model(make_model_config(str(tmp_path)), torch.device("cpu"))
+        get_model(make_model_config(str(tmp_path)), torch.device("cpu"), get_attn_backend("torch"))
 
 
 def test_unsupported_quantization_type_names_file_tensor_and_type(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "iq2.gguf", "llama", tensor_type="IQ2_XXS")
     with pytest.raises(ValueError) as err:
-        get_model(make_model_config(path, max_model_len=64), torch.device("cpu"))
+        get_model(make_model_config(path, max_model_len=64), torch.device("cpu"), get_attn_backend("torch"))
     msg = str(err.value)
     assert msg.startswith(
         f"{path}: tensor 'token_embd.weight' has unsupported quantization type IQ2_XXS"
@@ -135,7 +136,7 @@ def test_unsupported_quantization_type_names_file_tensor_and_type(tmp_path: Path
 def test_gguf_missing_tensors_are_named(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "partial.gguf", "llama")
     with pytest.raises(ValueError, match=f"{path}: checkpoint lacks weights: .*model.layers.0"):
-        get_model(make_model_config(path, max_model_len=64), torch.device("cpu"))
+        get_model(make_model_config(path, max_model_len=64), torch.device("cpu"), get_attn_backend("torch"))
 
 
 def test_default_gguf_config_and_generation_config(default_model_path: str) -> None:

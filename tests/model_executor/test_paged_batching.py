@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagellm.attention import torch_backend
+from pagellm.attention import get_attn_backend, torch_backend
 from pagellm.model_executor.loader import get_model
 from tests.utils import PagedRunner, make_model_config
 
@@ -27,7 +27,7 @@ def test_mixed_batch_matches_sequences_run_alone(
     tiny_model: Callable[..., str], family: str, overrides: dict
 ) -> None:
     mc = make_model_config(tiny_model(family, **overrides))
-    model = get_model(mc, torch.device("cpu"))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
 
     def alone(tokens: list[int]) -> torch.Tensor:
         runner = PagedRunner(model, mc, seed=1)
@@ -70,7 +70,7 @@ def test_prefix_blocks_are_shared_not_rewritten(tiny_model: Callable[..., str]) 
     """A chunk after a cached prefix writes only its own slots (block ids of the prefix
     are shared with the owner, whose cache contents must stay unchanged)."""
     mc = make_model_config(tiny_model("llama"))
-    runner = PagedRunner(get_model(mc, torch.device("cpu")), mc)
+    runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
     prefix = _tokens(7, 32)
     runner.add("P", prefix)
     runner.step([("P", 32)])
