@@ -257,22 +257,25 @@ PORTABLE deq32_iq4_xs(const uint8_t *row, int64_t g, float *y) {
 /* ----------------------------------------------- 32 values at a time, AVX2 */
 #ifdef PG_AVX2
 
-static inline void store_u8x32(__m256i q, __m256 d, __m256 m, float *y) {
-    /* y = float(q) * d + m for 32 unsigned bytes q */
+/* The AVX2 dequantizers leave a group's 32 values in four registers, w[0..3], so a
+ * product can use them without a round trip through memory. */
+
+static inline void u8x32_affine(__m256i q, __m256 d, __m256 m, __m256 *w) {
+    /* w = float(q) * d + m for 32 unsigned bytes q */
     __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(y + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m));
-    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m));
-    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m));
-    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m));
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
 }
 
-static inline void store_i8x32_mul(__m256i q, __m256 d, float *y) {
-    /* y = float(q) * d for 32 signed bytes q */
+static inline void i8x32_scaled(__m256i q, __m256 d0, __m256 d1, __m256 *w) {
+    /* w = float(q) * d for 32 signed bytes q (d0 for the first 16, d1 for the rest) */
     __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    _mm256_storeu_ps(y + 0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d));
-    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d));
-    _mm256_storeu_ps(y + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d));
-    _mm256_storeu_ps(y + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d0);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d0);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d1);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d1);
 }
 
 /* 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then high. */
@@ -292,39 +295,42 @@ static inline __m256i bits_to_0x10(uint32_t bits) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-static inline void avx_q4_0(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q4_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 18;
     __m256i q = _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
-    store_i8x32_mul(q, _mm256_set1_ps(load_f16(b)), y);
+    __m256 d = _mm256_set1_ps(load_f16(b));
+    i8x32_scaled(q, d, d, w);
 }
 
-static inline void avx_q4_1(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q4_1(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 20;
-    store_u8x32(nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), y);
+    u8x32_affine(nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
 }
 
-static inline void avx_q5_0(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q5_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 22;
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     __m256i q = _mm256_or_si256(nibbles_32(b + 6), bits_to_0x10(qh));
-    store_i8x32_mul(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), _mm256_set1_ps(load_f16(b)), y);
+    __m256 d = _mm256_set1_ps(load_f16(b));
+    i8x32_scaled(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, w);
 }
 
-static inline void avx_q5_1(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q5_1(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 24;
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     __m256i q = _mm256_or_si256(nibbles_32(b + 8), bits_to_0x10(qh));
-    store_u8x32(q, _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), y);
+    u8x32_affine(q, _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
 }
 
-static inline void avx_q8_0(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q8_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 34;
-    store_i8x32_mul(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_ps(load_f16(b)), y);
+    __m256 d = _mm256_set1_ps(load_f16(b));
+    i8x32_scaled(_mm256_loadu_si256((const __m256i *)(b + 2)), d, d, w);
 }
 
-static inline void avx_q4_k(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q4_k(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + (g >> 3) * 144;
     int s = (int)(g & 7);
     uint8_t sc, m;
@@ -333,10 +339,10 @@ static inline void avx_q4_k(const uint8_t *row, int64_t g, float *y) {
     if (s & 1) q = _mm256_srli_epi16(q, 4);
     q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
     float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
-    store_u8x32(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), y);
+    u8x32_affine(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), w);
 }
 
-static inline void avx_q5_k(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q5_k(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + (g >> 3) * 176;
     int s = (int)(g & 7);
     uint8_t sc, m;
@@ -348,10 +354,10 @@ static inline void avx_q5_k(const uint8_t *row, int64_t g, float *y) {
     qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
     q = _mm256_or_si256(q, _mm256_slli_epi16(qh, 4));
     float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
-    store_u8x32(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), y);
+    u8x32_affine(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), w);
 }
 
-static inline void avx_q6_k(const uint8_t *row, int64_t g, float *y) {
+static inline void avx_q6_k(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + (g >> 3) * 210;
     int s = (int)(g & 7), h = s >> 2, t = s & 3;
     __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
@@ -362,17 +368,52 @@ static inline void avx_q6_k(const uint8_t *row, int64_t g, float *y) {
     __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
     const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
     float d = load_f16(b + 208);
-    __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    __m256 d0 = _mm256_set1_ps(d * sc[0]), d1 = _mm256_set1_ps(d * sc[1]);
-    _mm256_storeu_ps(y + 0, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
-    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
-    _mm256_storeu_ps(y + 16, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
-    _mm256_storeu_ps(y + 24, _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+    i8x32_scaled(q, _mm256_set1_ps(d * sc[0]), _mm256_set1_ps(d * sc[1]), w);
 }
 
-#define DEQ(name) avx_##name
+/* One row of a type with an AVX2 dequantizer: into out[K], or dotted with x[K]. */
+#define AVX_ROW_FUNCS(name)                                                              \
+    static void row_##name(const uint8_t *row, int64_t groups, float *out) {             \
+        for (int64_t g = 0; g < groups; g++) {                                           \
+            __m256 w[4];                                                                 \
+            avx_##name(row, g, w);                                                       \
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 32 * g + 8 * i, w[i]);    \
+        }                                                                                \
+    }                                                                                    \
+    static float dot_##name(const uint8_t *row, int64_t groups, const float *x) {        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                       \
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();                       \
+        for (int64_t g = 0; g < groups; g++) {                                           \
+            __m256 w[4];                                                                 \
+            avx_##name(row, g, w);                                                       \
+            const float *xg = x + 32 * g;                                                \
+            a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), a0);                          \
+            a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), a1);                      \
+            a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a2);                     \
+            a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a3);                     \
+        }                                                                                \
+        return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));        \
+    }
+
+static inline float hsum(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+AVX_ROW_FUNCS(q4_0)
+AVX_ROW_FUNCS(q4_1)
+AVX_ROW_FUNCS(q5_0)
+AVX_ROW_FUNCS(q5_1)
+AVX_ROW_FUNCS(q8_0)
+AVX_ROW_FUNCS(q4_k)
+AVX_ROW_FUNCS(q5_k)
+AVX_ROW_FUNCS(q6_k)
+#define ROW(name, row, groups, out) row_##name(row, groups, out)
 #else
-#define DEQ(name) deq32_##name
+#define ROW(name, row, groups, out) \
+    for (int64_t g = 0; g < (groups); g++) deq32_##name(row, g, (out) + 32 * g)
 #endif
 
 /* --------------------------------------------------------------- whole rows */
@@ -400,7 +441,7 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
             return;
         }
 #define ROW_CASE(T, name) \
-        case T: for (int64_t g = 0; g < groups; g++) DEQ(name)(row, g, out + 32 * g); return;
+        case T: ROW(name, row, groups, out); return;
         ROW_CASE(T_Q4_0, q4_0)
         ROW_CASE(T_Q4_1, q4_1)
         ROW_CASE(T_Q5_0, q5_0)
@@ -442,12 +483,6 @@ static inline float dot1(const float *a, const float *b, int64_t K) {
 }
 
 #ifdef PG_AVX2
-static inline float hsum(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 /* out[i] = sum_k w[k] * x[i][k] for 4 rows of x (stride ldx) */
 static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, float *out) {
@@ -501,6 +536,27 @@ int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
         } else {
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) {
+#ifdef PG_AVX2
+                if (M == 1) { /* one input row: dequantize in registers, no row buffer */
+                    const uint8_t *row = W + n * row_bytes;
+                    int64_t groups = K / 32;
+                    float r;
+                    switch (type) {
+                        case T_Q4_0: r = dot_q4_0(row, groups, X); break;
+                        case T_Q4_1: r = dot_q4_1(row, groups, X); break;
+                        case T_Q5_0: r = dot_q5_0(row, groups, X); break;
+                        case T_Q5_1: r = dot_q5_1(row, groups, X); break;
+                        case T_Q8_0: r = dot_q8_0(row, groups, X); break;
+                        case T_Q4_K: r = dot_q4_k(row, groups, X); break;
+                        case T_Q5_K: r = dot_q5_k(row, groups, X); break;
+                        case T_Q6_K: r = dot_q6_k(row, groups, X); break;
+                        default: goto buffered;
+                    }
+                    Y[n] = r;
+                    continue;
+                }
+            buffered:;
+#endif
                 const float *w = wrow;
                 if (type == T_F32) {
                     w = (const float *)(W + n * row_bytes);
