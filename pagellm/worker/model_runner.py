@@ -58,7 +58,7 @@ class ModelRunner:
     # -- start-up ------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        from pagellm.model_executor.loader import get_model
+        from pagellm.model_executor.loader import get_model, weights_summary
 
         start = time.perf_counter()
         self.attn_backend: type[AttentionBackend] = get_attn_backend(
@@ -75,10 +75,11 @@ class ModelRunner:
             self.block_size, self.device, sliding_window=getattr(self.model, "sliding_window", None)
         )
         logger.info(
-            "Loaded %s (%s, %s) on %s in %.2f s",
+            "Loaded %s (%s, %s activations, weights %s) on %s in %.2f s",
             self.model_config.model,
             self.model_config.architecture,
             str(self.dtype).removeprefix("torch."),
+            weights_summary(self.model),
             self.device,
             time.perf_counter() - start,
         )
