@@ -18,6 +18,7 @@ KVH, D] views:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,11 @@ class DecodeBatch:
     req_blocks: list[int]
     """Blocks each request actually reads (ceil(seq_len / block_size), less the blocks
     skipped before a sliding window)."""
+    slot_lo: torch.Tensor | None = None
+    slot_hi: torch.Tensor | None = None
+    """[B] int64: the real keys of request b are slots [slot_lo, slot_hi) of its padded
+    row (what `mask` says, as bounds for the C kernel)."""
+    max_slots: int = 0
     lookups: _DecodeLookups | None = None
     """Cache row indices and score bias; made by the first layer of the step (they need
     the cache's geometry) and reused by the others."""
@@ -170,7 +176,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         mask = pos < lens
         if window is not None:
             mask &= pos >= lens - window
-        return DecodeBatch(rows=rows, block_table=block_table, mask=mask[:, None, :], req_blocks=req_blocks)
+        hi = [n - f * bs for n, f in zip(seq_lens, first)]
+        lo = [max(0, h - window) if window else 0 for h in hi]
+        return DecodeBatch(
+            rows=rows, block_table=block_table.contiguous(), mask=mask[:, None, :],
+            req_blocks=req_blocks, slot_lo=torch.tensor(lo, dtype=torch.long),
+            slot_hi=torch.tensor(hi, dtype=torch.long), max_slots=max(end - start for start, end in zip(lo, hi)),
+        )
 
     def _build_prefill(self, common: CommonAttentionMetadata, i: int) -> PrefillChunk:
         start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]
@@ -200,6 +212,9 @@ class TorchAttentionImpl(AttentionImpl):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads  # query heads per KV head (GQA)
+        self.kernels = c_kernels()
+        """pagellm's C kernels for float32 CPU caches (decode and the cache write), or
+        None: the torch ops below then do the same work."""
 
     def forward(
         self,
@@ -212,8 +227,17 @@ class TorchAttentionImpl(AttentionImpl):
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
         k_store, v_store = _storage(*kv_cache)
         n = metadata.num_actual_tokens
-        _write_kv(key[:n], value[:n], k_store, v_store, metadata)
+        lib = self.kernels if _c_ready(k_store, key, value) else None
+        if lib is not None:
+            kvh, nb, d, bs = k_store.shape
+            lib.pg_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), n,
+                            kvh, d, k_store.data_ptr(), v_store.data_ptr(), nb, bs,
+                            metadata.slot_mapping.data_ptr())
+        else:
+            _write_kv(key[:n], value[:n], k_store, v_store, metadata)
         if metadata.decode_only and metadata.decode and n == query.shape[0]:
+            if lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim:
+                return self._decode_c(lib, query, k_store, v_store, metadata.decode)
             return self._decode(query, k_store, v_store, metadata.decode)  # no scatter needed
         out = query.new_zeros(query.shape) if n < query.shape[0] else torch.empty_like(query)
         if metadata.decode is not None:
@@ -222,6 +246,26 @@ class TorchAttentionImpl(AttentionImpl):
             out[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, k_store, v_store, chunk
             )
+        return out
+
+    def _decode_c(
+        self, lib: Any, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+        dec: DecodeBatch,
+    ) -> torch.Tensor:
+        """`_decode` as one C call (pg_paged_decode): per (request, head) the scores over
+        its slots, softmax and the weighted V rows, without index tensors."""
+        b, h, d = query.shape
+        kvh, nb, _, bs = k_store.shape
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        table = dec.block_table
+        rc = lib.pg_paged_decode(
+            query.data_ptr(), query.stride(0), b, h, kvh, d, k_store.data_ptr(),
+            v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
+            dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots, self.scale,
+            out.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("paged decode attention: out of memory for the score buffer")
         return out
 
     def _decode(
@@ -334,6 +378,24 @@ class TorchAttentionImpl(AttentionImpl):
             q[None], k[None], v[None], attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
         )
         return o[0].transpose(0, 1)  # [q_len, H, D]
+
+
+def c_kernels() -> Any:
+    """The C kernel library where it can be built, else None (see pagellm.kernels)."""
+    from pagellm.kernels import load_kernels
+
+    return load_kernels()
+
+
+def _c_ready(k_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The C kernels take float32 CPU caches and K/V rows whose heads are contiguous."""
+    return (
+        k_store.dtype == torch.float32
+        and k_store.device.type == "cpu"
+        and key.dtype == value.dtype == torch.float32
+        and key.stride(2) == 1 and value.stride(2) == 1
+        and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
+    )
 
 
 def _storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,11 +14,12 @@ import psutil
 import pytest
 import torch
 
+from pagellm import kernels
 from pagellm.attention import get_attn_backend
 from pagellm.benchmarks.synthetic_gguf import SHAPES, random_blocks, write_llama_gguf
 from pagellm.model_executor import weight_utils
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
-from pagellm.model_executor.layers.quantization import kernels, resolve_quantization
+from pagellm.model_executor.layers.quantization import resolve_quantization
 from pagellm.model_executor.loader import get_model
 from tests.utils import make_model_config
 
@@ -262,7 +263,8 @@ def test_no_compiler_falls_back_to_dequantized(q4_k_m_file: str, monkeypatch: py
             assert resolve_quantization(None, q4_k_m_file, "cpu") is None
         assert [r.getMessage() for r in logs.records] == [
             "No C compiler (cc/gcc/clang) found: GGUF weights are dequantized to float32 at "
-            "load instead of running quantized (more memory, slower single-stream decode)"]
+            "load instead of running quantized, and attention takes its torch path (more "
+            "memory, slower single-stream decode)"]
         with pytest.raises(ValueError, match="needs the GGUF CPU kernels, which could not be built"):
             resolve_quantization("gguf", q4_k_m_file, "cpu")
     finally:

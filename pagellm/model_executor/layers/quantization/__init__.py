@@ -38,7 +38,7 @@ def resolve_quantization(requested: str | None, model_path: str, device: str) ->
         if device != "cpu":
             logger.info("GGUF weights are dequantized at load on %s (quantized kernels are CPU only)", device)
             return None
-        from pagellm.model_executor.layers.quantization.kernels import load_kernels
+        from pagellm.kernels import load_kernels
 
         if load_kernels() is None:  # no compiler: logged once by load_kernels
             return None
@@ -54,7 +54,7 @@ def resolve_quantization(requested: str | None, model_path: str, device: str) ->
         raise ValueError(f"quantization='gguf' needs a .gguf model file; {model_path} is not one")
     if device != "cpu":
         raise ValueError(f"quantization={requested!r} runs on CPU only; got device={device!r}")
-    from pagellm.model_executor.layers.quantization.kernels import load_kernels
+    from pagellm.kernels import load_kernels
 
     if load_kernels() is None:
         raise ValueError(

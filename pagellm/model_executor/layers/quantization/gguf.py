@@ -1,5 +1,5 @@
 """GGUF weights kept quantized: linears and the embedding multiply the file's blocks
-directly through the CPU kernels in `kernels/ggml_cpu.c`.
+directly through the CPU kernels in `pagellm/kernels/ggml_cpu.c`.
 
 Storage. A weight used as it is (o_proj, down_proj, the embedding, an untied head) stays
 a view of the memory-mapped file. A fused layer (q|k|v, gate|up) gets one owned copy of
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagellm.kernels import load_kernels
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
-from pagellm.model_executor.layers.quantization.kernels import load_kernels
 
 logger = init_logger(__name__)
 

@@ -1,8 +1,14 @@
-"""The GGUF CPU kernels (`ggml_cpu.c`), compiled with the system's C compiler at first
-use and cached under `<PAGELLM_CACHE_DIR>/kernels/<hash of source, flags, CPU>/`.
+"""pagellm's C kernels: every `*.c` file here, compiled together into one library with
+the system's C compiler at first use and cached under
+`<PAGELLM_CACHE_DIR>/kernels/<hash of sources, flags, CPU>/`. No build step at install.
+
+- `ggml_cpu.c`: GGUF block-quantized weights x float32 activations (quantization/gguf.py)
+- `paged_attention.c`: one-token decode attention over the paged KV cache, and the
+  cache write (attention/torch_backend.py)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
-build fails (logged once); callers then dequantize weights at load instead.
+build fails (logged once); callers then take their torch paths (GGUF files are
+dequantized at load).
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "ggml_cpu.c")
+_SOURCES = sorted(
+    os.path.join(os.path.dirname(__file__), name)
+    for name in os.listdir(os.path.dirname(__file__))
+    if name.endswith(".c")
+)
 
 
 def _cpu_flags() -> set[str]:
@@ -59,33 +69,37 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning(
             "No C compiler (cc/gcc/clang) found: GGUF weights are dequantized to float32 at "
-            "load instead of running quantized (more memory, slower single-stream decode)"
+            "load instead of running quantized, and attention takes its torch path (more "
+            "memory, slower single-stream decode)"
         )
         return None
     flags = _compile_flags(simd)
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            source += f.read()
     key = hashlib.sha256(
         source + " ".join([compiler, *flags, *sorted(_cpu_flags())]).encode()
     ).hexdigest()[:16]
     out_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "kernels", key)
-    lib_path = os.path.join(out_dir, "ggml_cpu.so")
+    lib_path = os.path.join(out_dir, "pagellm_kernels.so")
     if not os.path.isfile(lib_path):
         start = time.perf_counter()
         os.makedirs(out_dir, exist_ok=True)
         tmp = f"{lib_path}.tmp-{os.getpid()}"
-        cmd = [compiler, *flags, _SOURCE, "-o", tmp]
+        cmd = [compiler, *flags, *_SOURCES, "-o", tmp]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
             os.replace(tmp, lib_path)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", "") or str(e)
             logger.warning(
-                "Building the GGUF CPU kernels failed (%s); GGUF weights are dequantized to "
-                "float32 at load instead: %s", " ".join(cmd), detail.strip()[-2000:]
+                "Building pagellm's C kernels failed (%s); GGUF weights are dequantized to "
+                "float32 at load and attention takes its torch path instead: %s",
+                " ".join(cmd), detail.strip()[-2000:]
             )
             return None
-        logger.info("Compiled the GGUF CPU kernels once in %.1f s (%s)",
+        logger.info("Compiled pagellm's C kernels once in %.1f s (%s)",
                     time.perf_counter() - start, lib_path)
     # torch is imported first, so the library binds to torch's OpenMP runtime (same
     # soname) and shares its thread pool.
@@ -100,4 +114,9 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_type_supported.argtypes = [ctypes.c_int]
     lib.pg_type_supported.restype = ctypes.c_int
     lib.pg_simd_level.restype = ctypes.c_int
+    lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64,
+                                    ptr, ptr, i64, ctypes.c_float, ptr]
+    lib.pg_paged_decode.restype = ctypes.c_int
+    lib.pg_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr]
+    lib.pg_write_kv.restype = None
     return lib

@@ -1,0 +1,101 @@
+"""The C decode attention and cache write (pagellm/kernels/paged_attention.c) against the
+torch backend's own ops on the same cache: mixed context lengths, grouped-query heads,
+sliding windows, K/V rows that are strided views (as the model hands them over)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionImpl,
+    TorchAttentionMetadataBuilder,
+)
+
+BS, H, KVH, D = 4, 6, 2, 8
+
+
+def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Fill a cache with random K/V for every request's context through prefill-sized
+    writes, then run one decode step; returns (output, K cache, V cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = 64
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, torch.float32, torch.device("cpu"))
+    k_cache.zero_()
+    v_cache.zero_()
+    impl = TorchAttentionImpl(H, D, D**-0.5, KVH)
+    if not use_c:
+        impl.kernels = None
+    assert (impl.kernels is not None) == use_c
+    # request b owns blocks [b * 16, b * 16 + 16) in a shuffled order
+    perm = torch.randperm(16, generator=gen)
+    tables = torch.stack([perm + 16 * b for b in range(len(seq_lens))])
+    builder = TorchAttentionMetadataBuilder(BS, torch.device("cpu"), sliding_window=window)
+    # the decode token of request b is its position seq_len - 1; earlier ones are context
+    slots = []
+    for b, n in enumerate(seq_lens):
+        for p in range(n):
+            slots.append(int(tables[b, p // BS]) * BS + p % BS)
+    # strided K/V views, as split out of a fused qkv projection
+    fused = torch.randn(len(slots), (H + 2 * KVH) * D, generator=gen)
+    key = fused[:, H * D : (H + KVH) * D].view(-1, KVH, D)
+    value = fused[:, (H + KVH) * D :].view(-1, KVH, D)
+    ctx_slots = list(slots)
+    common = CommonAttentionMetadata(
+        num_reqs=1, num_actual_tokens=len(ctx_slots), query_start_loc=torch.tensor([0, len(ctx_slots)]),
+        seq_lens=torch.tensor([len(ctx_slots)]), block_table=torch.zeros(1, 1, dtype=torch.long),
+        slot_mapping=torch.tensor(ctx_slots), query_start_loc_cpu=[0, len(ctx_slots)],
+        seq_lens_cpu=[len(ctx_slots)], max_query_len=len(ctx_slots), max_seq_len=len(ctx_slots),
+        block_size=BS,
+    )
+    meta = builder.build(common)
+    meta.prefills = []  # only the cache write of this "step" is wanted
+    impl.forward(torch.zeros(len(ctx_slots), H, D), key, value, (k_cache, v_cache), meta)
+    # the decode step: one query per request, its key/value already written above
+    b = len(seq_lens)
+    last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(b)])
+    q_fused = torch.randn(b, (H + KVH) * D, generator=gen)
+    query = q_fused[:, : H * D].view(b, H, D)
+    dec_common = CommonAttentionMetadata(
+        num_reqs=b, num_actual_tokens=b, query_start_loc=torch.arange(b + 1),
+        seq_lens=torch.tensor(seq_lens), block_table=tables, slot_mapping=torch.tensor(slots)[last],
+        query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=list(seq_lens), max_query_len=1,
+        max_seq_len=max(seq_lens), block_size=BS,
+    )
+    dec_meta = builder.build(dec_common)
+    out = impl.forward(query, key[last], value[last], (k_cache, v_cache), dec_meta)
+    return out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("window", [None, 5, 13])
+@pytest.mark.parametrize("seq_lens", [[1], [7, 1, 30], [16, 17, 3, 64]])
+def test_c_decode_equals_torch_decode(seq_lens: list[int], window: int | None) -> None:
+    c_out, c_k, c_v = _decode_step(seq_lens, window, use_c=True)
+    t_out, t_k, t_v = _decode_step(seq_lens, window, use_c=False)
+    assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)  # the write is a copy
+    torch.testing.assert_close(c_out, t_out, rtol=1e-5, atol=1e-6)
+
+
+def test_c_decode_attends_over_the_window_only() -> None:
+    """Independent of the torch path: with equal scores (zero queries) the output is the
+    mean of the V rows of the last `window` positions."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(8, BS, 1, 2, torch.float32, torch.device("cpu"))
+    v_rows = torch.randn(10, 2, generator=gen)
+    for p in range(10):  # one request in blocks 3, 5, 7 (positions 0..9)
+        blk = [3, 5, 7][p // BS]
+        v_cache[blk, p % BS, 0] = v_rows[p]
+        k_cache[blk, p % BS, 0] = torch.randn(2, generator=gen)
+    impl = TorchAttentionImpl(1, 2, 1.0, 1)
+    assert impl.kernels is not None
+    builder = TorchAttentionMetadataBuilder(BS, torch.device("cpu"), sliding_window=6)
+    common = CommonAttentionMetadata(
+        num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([10]),
+        block_table=torch.tensor([[3, 5, 7]]), slot_mapping=torch.tensor([7 * BS + 1]),
+        query_start_loc_cpu=[0, 1], seq_lens_cpu=[10], max_query_len=1, max_seq_len=10, block_size=BS,
+    )
+    meta = builder.build(common)
+    out = impl.forward(torch.zeros(1, 1, 2), k_cache[7, 1:2], v_rows[9:10, None], (k_cache, v_cache), meta)
+    torch.testing.assert_close(out[0, 0], v_rows[4:10].mean(0))
