@@ -1,11 +1,14 @@
 """pagellm next to its peers on one machine: the same model file and workloads (W: fixed
-lengths; V: varied lengths) through pagellm, HF transformers, and optionally vLLM and
-llama.cpp, each in its own subprocess (own peak memory and start-up time). Prints one
-table with the machine's measured limit; writes benchmarks/results/<timestamp>.json.
+lengths; V: varied lengths; S: one request, single-stream decode) through pagellm, HF
+transformers, and optionally vLLM and llama.cpp, each in its own subprocess (own peak
+memory and start-up time). Prints one table with the machine's measured limit; writes
+benchmarks/results/<timestamp>.json.
 
-    python benchmarks/compare.py                      # pagellm, pagellm-mp, hf
+    python benchmarks/compare.py                      # pagellm, pagellm-f32, pagellm-mp, hf
     python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server ~/llama.cpp/build/bin/llama-server
     python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
+    python benchmarks/compare.py --workloads S --systems pagellm,pagellm-f32,llamacpp-bench \
+        --llama-bench ~/llama.cpp/build/bin/llama-bench --repeat 3   # single stream, a-b-a-b
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,8 +32,14 @@ from typing import Any
 
 import psutil
 
-SYSTEMS = ("pagellm", "pagellm-mp", "hf", "vllm", "llamacpp")
-REFERENCE = ("pagellm", "pagellm-mp")  # the ratio column divides by the first one present
+SYSTEMS = ("pagellm", "pagellm-f32", "pagellm-mp", "hf", "vllm", "llamacpp", "llamacpp-bench")
+REFERENCE = ("pagellm", "pagellm-mp", "pagellm-f32")  # the ratio column divides by the first one present
+PAGELLM_SYSTEMS = {
+    "pagellm": {},  # quantization detected: a GGUF's blocks stay quantized
+    "pagellm-mp": {},
+    "pagellm-f32": {"quantization": "none"},  # a GGUF dequantized to float32 at load
+}
+"""pagellm's systems and the LLM(**kwargs) each adds over --pagellm-kwargs."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_PREFIX = "RESULT "
 
@@ -48,11 +58,15 @@ class Workload:
 WORKLOADS = {
     "W": Workload("W", 64, (128, 128), (128, 128), "64 prompts x 128 random tokens, 128 out"),
     "V": Workload("V", 64, (16, 512), (16, 256), "64 prompts, in U[16,512], out U[16,256]"),
+    "S": Workload("S", 1, (128, 128), (256, 256), "single stream: 1 prompt x 128 tokens, 256 out"),
 }
 QUICK_WORKLOADS = {
     "W": Workload("W", 4, (16, 16), (8, 8), "quick: 4 prompts x 16 tokens, 8 out"),
     "V": Workload("V", 4, (8, 32), (4, 12), "quick: 4 prompts, in U[8,32], out U[4,12]"),
+    "S": Workload("S", 1, (16, 16), (16, 16), "quick single stream: 1 prompt x 16 tokens, 16 out"),
 }
+SINGLE_STREAM_ONLY = ("llamacpp-bench",)
+"""Systems that run only one-request workloads (llama-bench times one sequence)."""
 
 
 @dataclass
@@ -60,9 +74,18 @@ class Row:
     system: str
     workload: str
     output_tokens_per_s: float | None = None
+    """Output tokens / wall time of the workload (the median over --repeat runs)."""
     ratio_to_pagellm: float | None = None
+    decode_tokens_per_s: float | None = None
+    """One-request workloads: output tokens after the first / time from the first output
+    token to the last (prefill excluded); the median over runs."""
+    ttft_s: float | None = None
+    """One-request workloads: start of the request to its first output token (median)."""
     peak_rss_mb: float | None = None
-    """Largest summed RSS of the system's processes (sampled every 0.1 s)."""
+    """Largest summed RSS of the system's processes (sampled every 0.1 s; max over runs)."""
+    peak_pss_mb: float | None = None
+    """Largest summed PSS (shared pages split between the processes that map them) of the
+    system's processes: sampled every 0.5 s and once right after the timed run; max over runs."""
     startup_s: float | None = None
     """Process launch until the model is ready (loaded, plus one tiny warm-up request)."""
     elapsed_s: float | None = None
@@ -70,6 +93,8 @@ class Row:
     output_tokens: int | None = None
     note: str = ""
     details: dict[str, Any] | None = None
+    runs: list[dict[str, Any]] | None = None
+    """Each run's figures, in the order they ran (with --repeat)."""
 
 
 # -- machine ---------------------------------------------------------------------------
@@ -186,30 +211,123 @@ def build_requests(model_path: str, workload: Workload, seed: int) -> dict[str, 
 # -- workers (each runs in its own process: `compare.py --worker NAME`) -----------------
 
 
+def single_stream(req: dict[str, Any]) -> bool:
+    """A one-request workload (S): timed per token (TTFT, decode tokens/s)."""
+    return len(req["token_ids"]) == 1
+
+
+def stream_timing(elapsed: float, ttft: float | None, prompt_tokens: int,
+                  output_tokens: int) -> dict[str, Any]:
+    """A single request's figures: decode tokens/s counts the tokens after the first over
+    the time from the first to the last (the prefill and first sample excluded)."""
+    decode = None
+    if ttft is not None and output_tokens > 1 and elapsed > ttft:
+        decode = (output_tokens - 1) / (elapsed - ttft)
+    return {"elapsed_s": elapsed, "ttft_s": ttft, "decode_tokens_per_s": decode,
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+
+def tree_pss_mb(pid: int) -> float | None:
+    """Summed PSS of a process and its descendants (psutil's memory_full_info().pss):
+    pages shared between them (or with other processes) are split, not counted twice."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pass
+    return total / 2**20 if total else None
+
+
+def pagellm_one_request(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One request through the engine's step loop (the in-process core steps here; the
+    multiprocess core's outputs are read as they arrive), timing its first output token."""
+    from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    count, first = 0, None
+    start = time.perf_counter()
+    engine.add_request("single-stream", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            count += sum(len(c.token_ids) for c in output.outputs)
+            if first is None and count:
+                first = time.perf_counter() - start
+    return stream_timing(time.perf_counter() - start, first, len(prompt), count)
+
+
 def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    """pagellm's LLM with the system's kwargs (`PAGELLM_SYSTEMS`, e.g. quantization='none'
+    for pagellm-f32, passed through `LLM(**kwargs)` like any EngineArgs field)."""
     from pagellm import LLM
     from pagellm.benchmarks.datasets import SampleRequest
     from pagellm.benchmarks.throughput import run_requests
     from pagellm.sampling_params import SamplingParams
 
-    llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp",
-              **json.loads(args.pagellm_kwargs))
+    kwargs = {**json.loads(args.pagellm_kwargs), **PAGELLM_SYSTEMS[args.worker]}
+    llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp", **kwargs)
+    quantization = getattr(llm.llm_engine.model_config, "quantization", None)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": req["token_ids"][0][:4]}], warm, use_tqdm=False)
     llm.reset_prefix_cache()
     ready = time.time()
-    samples = [SampleRequest(p, len(p), n) for p, n in zip(req["token_ids"], req["output"])]
-    result = run_requests(llm, samples)
+    if single_stream(req):
+        out = pagellm_one_request(llm, req["token_ids"][0], req["output"][0])
+    else:
+        samples = [SampleRequest(p, len(p), n) for p, n in zip(req["token_ids"], req["output"])]
+        result = run_requests(llm, samples)
+        out = {"elapsed_s": result.elapsed_time, "prompt_tokens": result.total_prompt_tokens,
+               "output_tokens": result.total_output_tokens}
+    pss = tree_pss_mb(os.getpid())  # this process and, for pagellm-mp, its engine core
     llm.shutdown()
-    return {"ready_time": ready, "elapsed_s": result.elapsed_time,
-            "prompt_tokens": result.total_prompt_tokens,
-            "output_tokens": result.total_output_tokens}
+    return {**out, "ready_time": ready, "post_run_pss_mb": pss,
+            "note": f"quantization={quantization or 'none'}",
+            "details": {"llm_kwargs": kwargs, "quantization": quantization}}
+
+
+class _TokenTimes:
+    """A transformers streamer that records when generate hands it tokens: the first call
+    is the prompt, each later one a new token (batch 1)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_one_request(model: Any, prompt: list[int], max_tokens: int, pad: int) -> dict[str, Any]:
+    """Batch 1 greedy generate with EOS suppressed, timing the first new token."""
+    import torch
+
+    streamer = _TokenTimes()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        gen = model.generate(input_ids=torch.tensor([prompt]), do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             pad_token_id=pad, streamer=streamer)
+    elapsed = time.perf_counter() - start
+    produced = gen.shape[1] - len(prompt)
+    assert produced == max_tokens, "HF generate stopped early"
+    ttft = streamer.times[1] - start if len(streamer.times) > 1 else None
+    return stream_timing(elapsed, ttft, len(prompt), produced)
 
 
 def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     """transformers `generate` as users batch it: static batches in arrival order, left
     padding, greedy, each batch runs to its longest output (EOS suppressed). Only the
-    tokens each request asked for count as output. Tries each batch size; keeps the best."""
+    tokens each request asked for count as output. Tries each batch size; keeps the best.
+    A one-request workload runs at batch 1, timed per token."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -225,6 +343,10 @@ def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
         model.generate(input_ids=torch.tensor([req["token_ids"][0][:4]]), do_sample=False,
                        max_new_tokens=2, min_new_tokens=2, pad_token_id=pad)
     ready = time.time()
+    if single_stream(req):
+        out = hf_one_request(model, req["token_ids"][0], req["output"][0], pad)
+        return {**out, "ready_time": ready, "post_run_pss_mb": tree_pss_mb(os.getpid()),
+                "note": "batch 1, float32"}
     trials = {}
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         start = time.perf_counter()
@@ -242,6 +364,7 @@ def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     best = min(trials, key=trials.get)
     return {"ready_time": ready, "elapsed_s": trials[best], "prompt_tokens": sum(req["input"]),
             "output_tokens": sum(req["output"]), "note": f"best batch size {best}",
+            "post_run_pss_mb": tree_pss_mb(os.getpid()),
             "details": {"elapsed_by_batch_size": trials}}
 
 
@@ -326,18 +449,20 @@ def llamacpp_server_command(args: argparse.Namespace, port: int, n_ctx: int,
     if args.llama_server:
         cmd = [args.llama_server, "-m", args.model, *host, "-c", str(n_ctx * slots),
                "-np", str(slots), "-t", cores, "-tb", cores, "--log-disable"]
-        return cmd, slots, f"llama-server, {slots} parallel slots"
+        flags = f"-np {slots} -c {n_ctx * slots} -t {cores} -tb {cores}"
+        return cmd, slots, f"llama-server {flags}" if slots == 1 else f"llama-server, {slots} parallel slots ({flags})"
     python = str(Path(args.llamacpp_venv) / "bin" / "python")
     cmd = [python, "-m", "llama_cpp.server", "--model", args.model, *host, "--n_ctx", str(n_ctx),
            "--n_threads", cores, "--n_threads_batch", cores, "--interrupt_requests", "False",
            "--verbose", "False"]
-    return cmd, 1, "llama-cpp-python server, one request at a time"
+    return cmd, 1, f"llama-cpp-python server, one request at a time (--n_threads {cores})"
 
 
 def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's OpenAI server (see `llamacpp_server_command`), driven by
     `pagellm bench serve`'s client. EOS is suppressed through logit_bias (llama-cpp-python
-    has no ignore_eos)."""
+    has no ignore_eos). A one-request workload gets one slot (`-np 1`); its streamed
+    chunks time the first token and the decode after it."""
     import asyncio
 
     from pagellm.benchmarks import serve
@@ -347,6 +472,7 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     cmd, in_flight, note = llamacpp_server_command(args, port, n_ctx, len(req["input"]))
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     monitor = PeakRss(server.pid)
+    pss = None
     try:
         wait_for_server(f"http://127.0.0.1:{port}", server, args.worker_timeout)
         model = asyncio.run(serve.fetch_model_id(f"http://127.0.0.1:{port}", {}))
@@ -363,6 +489,7 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
         ready = time.time()
         results, duration = asyncio.run(
             serve.run_requests(inputs, float("inf"), 1.0, in_flight, 0, False))
+        pss = tree_pss_mb(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -370,10 +497,61 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     failed = [r.error for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} llama.cpp requests failed; first: {failed[0]}")
-    return {"ready_time": ready, "elapsed_s": duration,
-            "prompt_tokens": sum(r.prompt_len for r in results),
-            "output_tokens": sum(r.output_tokens for r in results),
-            "server_peak_rss_mb": monitor.peak_mb, "note": note}
+    out = {"elapsed_s": duration, "prompt_tokens": sum(r.prompt_len for r in results),
+           "output_tokens": sum(r.output_tokens for r in results)}
+    if single_stream(req):
+        (r,) = results
+        out = stream_timing(r.latency, r.ttft, r.prompt_len, r.output_tokens)
+    return {**out, "ready_time": ready, "server_peak_rss_mb": monitor.peak_mb,
+            "server_peak_pss_mb": max(monitor.peak_pss_mb or 0, pss or 0) or None,
+            "note": note, "details": {"command": cmd}}
+
+
+def llama_bench_commands(args: argparse.Namespace, n_in: int, n_out: int) -> list[list[str]]:
+    """llama-bench on the model file with every core (-t = logical cores, as the server):
+    the prompt alone (pp), prompt then generation as one sequence (pg: the whole request),
+    and generation after an n_in-token context (tg @ d: the decode of the same request)."""
+    cores = str(os.cpu_count() or 1)
+    base = [args.llama_bench, "-m", args.model, "-t", cores, "-r", str(args.llama_bench_reps), "-o", "json"]
+    return [base + ["-p", str(n_in), "-n", "0", "-pg", f"{n_in},{n_out}"],
+            base + ["-p", "0", "-n", str(n_out), "-d", str(n_in)]]
+
+
+def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's own benchmark tool on a one-request workload: out tok/s = n_out / the
+    pp+tg test's mean time (prefill and decode of one sequence), decode tok/s = the tg test
+    at depth n_in, TTFT = n_in / the pp test's tokens/s. Token ids are llama-bench's own
+    (random), lengths the workload's. No start-up figure: model loading is inside the run."""
+    if not single_stream(req):
+        raise ValueError("llama-bench runs one sequence; use it on a one-request workload (S)")
+    n_in, n_out = req["input"][0], req["output"][0]
+    tests, peak_rss, peak_pss, commands = [], 0.0, 0.0, llama_bench_commands(args, n_in, n_out)
+    for cmd in commands:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        monitor = PeakRss(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=args.worker_timeout)
+        finally:
+            monitor.stop()
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench exited with {proc.returncode}: {stderr[-800:]}")
+        tests += json.loads(stdout)
+        peak_rss, peak_pss = max(peak_rss, monitor.peak_mb), max(peak_pss, monitor.peak_pss_mb or 0)
+
+    def find(n_prompt: int, n_gen: int, depth: int = 0) -> dict[str, Any]:
+        return next(t for t in tests if (t["n_prompt"], t["n_gen"], t.get("n_depth", 0)) == (n_prompt, n_gen, depth))
+
+    pp, pg, tg = find(n_in, 0), find(n_in, n_out), find(0, n_out, n_in)
+    keep = ("n_prompt", "n_gen", "n_depth", "n_threads", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+            "samples_ts", "build_commit", "cpu_info", "model_type", "type_k", "flash_attn")
+    pp, pg, tg = ({k: t[k] for k in keep if k in t} for t in (pp, pg, tg))
+    flags = " ".join(commands[0][3:7])
+    return {"elapsed_s": pg["avg_ns"] / 1e9, "ttft_s": n_in / pp["avg_ts"],
+            "decode_tokens_per_s": tg["avg_ts"], "prompt_tokens": n_in, "output_tokens": n_out,
+            "server_peak_rss_mb": peak_rss, "server_peak_pss_mb": peak_pss or None,
+            "note": f"llama-bench {flags}: pp{n_in}+tg{n_out}, tg{n_out} @ d{n_in}",
+            "details": {"commands": commands,
+                        "tests": {f"pp{n_in}": pp, f"pp{n_in}+tg{n_out}": pg, f"tg{n_out}@d{n_in}": tg}}}
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -393,8 +571,8 @@ def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise RuntimeError(f"the server at {url} did not start within {timeout:.0f} s")
 
 
-WORKERS = {"pagellm": worker_pagellm, "pagellm-mp": worker_pagellm, "hf": worker_hf,
-           "llamacpp": worker_llamacpp}
+WORKERS = {"pagellm": worker_pagellm, "pagellm-f32": worker_pagellm, "pagellm-mp": worker_pagellm,
+           "hf": worker_hf, "llamacpp": worker_llamacpp, "llamacpp-bench": worker_llamacpp_bench}
 
 
 def run_as_worker(args: argparse.Namespace) -> int:
@@ -409,29 +587,39 @@ def run_as_worker(args: argparse.Namespace) -> int:
 
 
 class PeakRss:
-    """Samples the summed RSS of a process and all its descendants on a thread."""
+    """Samples the summed RSS of a process and all its descendants on a thread (every
+    `interval` s: `peak_mb`), and their summed PSS (every `pss_interval` s, since reading
+    smaps costs more: `peak_pss_mb`; None when no sample was taken)."""
 
-    def __init__(self, pid: int, interval: float = 0.1):
+    def __init__(self, pid: int, interval: float = 0.1, pss_interval: float = 0.5):
         self.peak_mb = 0.0
+        self.peak_pss_mb: float | None = None
         self._root = psutil.Process(pid)
         self._stop = threading.Event()
         self._interval = interval
+        self._pss_every = max(1, round(pss_interval / interval))
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        tick = 0
         while not self._stop.is_set():
             try:
                 procs = [self._root, *self._root.children(recursive=True)]
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak_mb = max(self.peak_mb, total / 2**20)
             except psutil.Error:
                 return
+            rss = pss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    if tick % self._pss_every == 0:
+                        pss += p.memory_full_info().pss
+                except (psutil.Error, AttributeError):
+                    pass
+            self.peak_mb = max(self.peak_mb, rss / 2**20)
+            if pss:
+                self.peak_pss_mb = max(self.peak_pss_mb or 0.0, pss / 2**20)
+            tick += 1
             self._stop.wait(self._interval)
 
     def stop(self) -> None:
@@ -448,6 +636,8 @@ def worker_command(args: argparse.Namespace, system: str, req_file: Path) -> lis
         cmd += ["--llamacpp-venv", args.llamacpp_venv]
     if args.llama_server:
         cmd += ["--llama-server", args.llama_server]
+    if args.llama_bench:
+        cmd += ["--llama-bench", args.llama_bench, "--llama-bench-reps", str(args.llama_bench_reps)]
     return cmd
 
 
@@ -478,27 +668,79 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         raise RuntimeError(f"{system} failed (exit {proc.returncode}):\n{tail}")
     out = json.loads(lines[-1][len(RESULT_PREFIX):])
     out["launch_time"], out["tree_peak_rss_mb"] = launch, monitor.peak_mb
+    out["tree_peak_pss_mb"] = max(monitor.peak_pss_mb or 0, out.get("post_run_pss_mb") or 0) or None
     return out
 
 
-def make_row(system: str, workload: str, out: dict[str, Any]) -> Row:
+def run_figures(out: dict[str, Any]) -> dict[str, Any]:
+    """One run's figures, from a worker's RESULT plus what run_system measured. Servers
+    and tools the worker starts (llama.cpp) report their own memory."""
+    ready = out.get("ready_time")
+    return {
+        "output_tokens_per_s": out["output_tokens"] / out["elapsed_s"],
+        "decode_tokens_per_s": out.get("decode_tokens_per_s"),
+        "ttft_s": out.get("ttft_s"),
+        "elapsed_s": out["elapsed_s"],
+        "peak_rss_mb": out.get("server_peak_rss_mb") or out["tree_peak_rss_mb"],
+        "peak_pss_mb": out.get("server_peak_pss_mb") or out.get("tree_peak_pss_mb"),
+        "startup_s": None if ready is None else ready - out["launch_time"],
+        "prompt_tokens": out["prompt_tokens"], "output_tokens": out["output_tokens"],
+    }
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _max(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def make_row(system: str, workload: str, outs: dict[str, Any] | list[dict[str, Any]]) -> Row:
+    """One table row from one run or several (--repeat): speeds, TTFT, start-up and
+    elapsed are medians over the runs, memory the largest; every run is kept in `runs`."""
+    outs = outs if isinstance(outs, list) else [outs]
+    runs = [run_figures(o) for o in outs]
+    details = outs[-1].get("details")
+    if len(outs) > 1:
+        details = {**(details or {}), "each_run": [o.get("details") for o in outs]}
     return Row(
         system=system, workload=workload,
-        output_tokens_per_s=out["output_tokens"] / out["elapsed_s"],
-        peak_rss_mb=out.get("server_peak_rss_mb") or out["tree_peak_rss_mb"],
-        startup_s=out["ready_time"] - out["launch_time"],
-        elapsed_s=out["elapsed_s"], prompt_tokens=out["prompt_tokens"],
-        output_tokens=out["output_tokens"], note=out.get("note", ""), details=out.get("details"),
+        output_tokens_per_s=_median([r["output_tokens_per_s"] for r in runs]),
+        decode_tokens_per_s=_median([r["decode_tokens_per_s"] for r in runs]),
+        ttft_s=_median([r["ttft_s"] for r in runs]),
+        peak_rss_mb=_max([r["peak_rss_mb"] for r in runs]),
+        peak_pss_mb=_max([r["peak_pss_mb"] for r in runs]),
+        startup_s=_median([r["startup_s"] for r in runs]),
+        elapsed_s=_median([r["elapsed_s"] for r in runs]),
+        prompt_tokens=runs[0]["prompt_tokens"], output_tokens=runs[0]["output_tokens"],
+        note=outs[-1].get("note", ""), details=details, runs=runs,
     )
 
 
-def skip_reason(args: argparse.Namespace, system: str) -> str | None:
+def skip_reason(args: argparse.Namespace, system: str, workload: Workload | None = None) -> str | None:
     if system == "vllm" and not args.vllm_venv:
         return "skipped: pass --vllm-venv PATH (a virtualenv with vllm)"
     if system == "llamacpp" and not (args.llamacpp_venv or args.llama_server):
         return ("skipped: pass --llama-server PATH (llama.cpp's server binary) or "
                 "--llamacpp-venv PATH (a virtualenv with llama-cpp-python)")
+    if system == "llamacpp-bench" and not args.llama_bench:
+        return "skipped: pass --llama-bench PATH (llama.cpp's llama-bench binary)"
+    if system in SINGLE_STREAM_ONLY and workload is not None and workload.num_prompts != 1:
+        return "skipped: one-request workloads only (S)"
     return None
+
+
+def run_order(systems: list[str], repeat: int, order: str) -> list[str]:
+    """The sequence of runs for one workload: with order 'abab' every round runs the
+    systems in the given order (a, b, a, b, ...); with 'abba' every other round reverses
+    it (a, b, b, a, ...), so a drift of the machine's speed hits both sides alike."""
+    seq: list[str] = []
+    for i in range(repeat):
+        seq += systems[::-1] if order == "abba" and i % 2 else systems
+    return seq
 
 
 def fill_ratios(rows: list[Row]) -> None:
@@ -530,14 +772,22 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[Row], shares: dict[str, dict[str, float]]) -> None:
-    header = f"{'system':<11} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} " \
-             f"{'peak RSS MiB':>12} {'start-up s':>10}  note"
+    header = f"{'system':<14} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} {'decode tok/s':>12} " \
+             f"{'TTFT ms':>8} {'peak RSS MiB':>12} {'peak PSS MiB':>12} {'start-up s':>10}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.system:<11} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
-              f"{_fmt(r.ratio_to_pagellm, '10.2f')} {_fmt(r.peak_rss_mb, '12.0f')} "
-              f"{_fmt(r.startup_s, '10.1f')}  {r.note}")
+        note = r.note
+        if r.runs and len(r.runs) > 1:
+            each = ", ".join(f"{x['output_tokens_per_s']:.1f}" for x in r.runs)
+            note += f"; median of {len(r.runs)} runs: out tok/s {each}"
+            if any(x["decode_tokens_per_s"] for x in r.runs):
+                note += "; decode " + ", ".join(_fmt(x["decode_tokens_per_s"], "1.1f") for x in r.runs)
+        ttft_ms = None if r.ttft_s is None else 1000 * r.ttft_s
+        print(f"{r.system:<14} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
+              f"{_fmt(r.ratio_to_pagellm, '10.2f')} {_fmt(r.decode_tokens_per_s, '12.1f')} "
+              f"{_fmt(ttft_ms, '8.0f')} {_fmt(r.peak_rss_mb, '12.0f')} {_fmt(r.peak_pss_mb, '12.0f')} "
+              f"{_fmt(r.startup_s, '10.1f')}  {note}")
     for wl, s in shares.items():
         print(f"{s['system']} on {wl}: {s['processed_tokens_per_s']:.1f} processed tok/s = "
               f"{100 * s['share']:.1f}% of the machine limit "
@@ -563,22 +813,31 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             req_file = tmp / f"requests-{wl.name}.json"
             req_file.write_text(json.dumps(req))
             flops[wl.name] = model_flops(args.model, wl, req)
-            # 3. each system in its own process
-            for system in systems:
-                reason = skip_reason(args, system)
-                if reason:
-                    rows.append(Row(system, wl.name, note=reason))
+            # 3. each system in its own process, --repeat times in alternating order
+            skipped = {s: skip_reason(args, s, wl) for s in systems}
+            outs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+            errors: dict[str, str] = {}
+            for i, system in enumerate(run_order([s for s in systems if not skipped[s]],
+                                                 args.repeat, args.order)):
+                if system in errors:
                     continue
                 print(f"running {system} on {wl.name} ({wl.description}) ...", flush=True)
                 try:
-                    rows.append(make_row(system, wl.name, run_system(args, system, req, req_file, tmp)))
+                    out = run_system(args, system, req, req_file, tmp)
+                    out["run_index"] = i
+                    outs[system].append(out)
                 except Exception as e:  # one broken peer must not sink the whole table
-                    rows.append(Row(system, wl.name, note=f"failed: {str(e).strip()[-300:]}"))
+                    errors[system] = f"failed: {str(e).strip()[-300:]}"
+            for system in systems:
+                if skipped[system] or system in errors:
+                    rows.append(Row(system, wl.name, note=skipped[system] or errors[system]))
+                else:
+                    rows.append(make_row(system, wl.name, outs[system]))
     fill_ratios(rows)
     shares = machine_share(rows, flops, machine)
     print_table(rows, shares)
     return {"date": datetime.now().isoformat(timespec="seconds"), "model": args.model,
-            "quick": args.quick, "machine": machine,
+            "quick": args.quick, "repeat": args.repeat, "order": args.order, "machine": machine,
             "workloads": {w.name: asdict(w) for w in workloads}, "model_flops": flops,
             "rows": [asdict(r) for r in rows], "machine_share": shares}
 
@@ -587,7 +846,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma list of {SYSTEMS}.")
-    p.add_argument("--workloads", default="W,V", help="Comma list of W, V.")
+    p.add_argument("--workloads", default="W,V,S", help="Comma list of W, V, S.")
     p.add_argument("--quick", action="store_true", help="Tiny workloads (smoke test).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
@@ -595,6 +854,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python.")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary (parallel slots; preferred over the venv).")
+    p.add_argument("--llama-bench", default=None,
+                   help="llama.cpp's llama-bench binary: the llamacpp-bench system (S only).")
+    p.add_argument("--llama-bench-reps", type=int, default=5, help="llama-bench -r (repetitions).")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Runs of every system per workload, interleaved (see --order); the table "
+                        "shows the median and lists each run.")
+    p.add_argument("--order", choices=("abab", "abba"), default="abab",
+                   help="Order of repeated runs: abab (same order every round) or abba "
+                        "(every other round reversed).")
     p.add_argument("--pagellm-kwargs", default="{}", help="JSON kwargs of pagellm.LLM.")
     p.add_argument("--hf-batch-sizes", default=None, help="Comma list (default 16,64; quick 2,4).")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -611,6 +879,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workload(s) {sorted(unknown)}; choose from {tuple(WORKLOADS)}")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     return args
 
 

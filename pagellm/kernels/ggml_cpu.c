@@ -519,6 +519,10 @@ static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, 
 
 /* ------------------------------------------------------------------ entries */
 
+#ifndef PG_PARALLEL_MIN
+#define PG_PARALLEL_MIN 262144
+#endif
+
 /* Y[m, n] = sum_k X[m, k] * W[n, k] for m < M, n < N. Each output row n dequantizes
  * its weight row once into a per-thread buffer and takes the dot product with every
  * row of X (the weight is read once whatever M is). Returns 0, or -1 for a type
@@ -527,7 +531,9 @@ int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
             const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
     if (!pg_type_supported(type)) return -1;
     int failed = 0;
-#pragma omp parallel
+    /* Below ~PG_PARALLEL_MIN multiply-adds one thread finishes before a team would have
+     * started (and a busy machine makes every team wait for its slowest thread). */
+#pragma omp parallel if (N * K * M >= PG_PARALLEL_MIN)
     {
         float *wrow = (float *)aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
         if (wrow == NULL) {

@@ -206,15 +206,90 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     assert {"cpu_model", "logical_cores", "ram_gib", "torch_version", "matmul_gflops_fp32",
             "copy_bandwidth_gbs"} <= set(data["machine"])
     rows = {(r["system"], r["workload"]): r for r in data["rows"]}
-    assert set(rows) == {("pagellm", "W"), ("pagellm", "V"), ("vllm", "W"), ("vllm", "V")}
+    assert set(rows) == {(s, w) for s in ("pagellm", "vllm") for w in ("W", "V", "S")}
     w = rows[("pagellm", "W")]
     assert w["output_tokens"] == 4 * 8 and w["prompt_tokens"] == 4 * 16
     assert w["ratio_to_pagellm"] == 1.0 and w["output_tokens_per_s"] > 0
-    assert w["peak_rss_mb"] > 50 and w["startup_s"] > 0
+    assert w["peak_rss_mb"] > 50 and w["peak_pss_mb"] > 50 and w["startup_s"] > 0
+    assert w["decode_tokens_per_s"] is None and len(w["runs"]) == 1
     assert rows[("pagellm", "V")]["output_tokens"] > 0
+    s = rows[("pagellm", "S")]  # one request, timed per token
+    assert s["output_tokens"] == 16 and s["prompt_tokens"] == 16
+    assert s["decode_tokens_per_s"] > 0 and 0 < s["ttft_s"] < s["elapsed_s"]
     assert rows[("vllm", "W")]["note"].startswith("skipped")
     assert 0 < data["machine_share"]["W"]["share"]
-    assert "vs pagellm" in res.stdout
+    assert "vs pagellm" in res.stdout and "peak PSS MiB" in res.stdout
+
+
+_FAKE_LLAMA_BENCH = """#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+val = lambda f, d: int(a[a.index(f) + 1]) if f in a else d
+p, n, d = val("-p", 512), val("-n", 128), val("-d", 0)
+pg = [int(x) for x in a[a.index("-pg") + 1].split(",")] if "-pg" in a else None
+ts = {"pp": 400.0, "tg": 100.0}
+tests = []
+if p:
+    tests.append({"n_prompt": p, "n_gen": 0, "n_depth": d, "avg_ts": ts["pp"], "avg_ns": int(p / ts["pp"] * 1e9)})
+if n:
+    tests.append({"n_prompt": 0, "n_gen": n, "n_depth": d, "avg_ts": ts["tg"], "avg_ns": int(n / ts["tg"] * 1e9)})
+if pg:
+    t = pg[0] / ts["pp"] + pg[1] / ts["tg"]
+    tests.append({"n_prompt": pg[0], "n_gen": pg[1], "n_depth": d, "avg_ts": sum(pg) / t, "avg_ns": int(t * 1e9)})
+print(json.dumps(tests))
+"""
+
+
+def test_compare_single_stream_repeats_both_pagellm_paths(tmp_path: Path) -> None:
+    """S through pagellm's quantized and float32 paths and llama-bench (a stand-in script
+    with llama-bench's JSON), two rounds each in a-b-a-b order: medians and every run."""
+    bench = tmp_path / "llama-bench"
+    bench.write_text(_FAKE_LLAMA_BENCH)
+    bench.chmod(0o755)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--quick", "--workloads", "S",
+         "--systems", "pagellm,pagellm-f32,llamacpp-bench", "--llama-bench", str(bench),
+         "--repeat", "2", "--results-dir", str(tmp_path)],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    order = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("running ")]
+    assert order == ["pagellm", "pagellm-f32", "llamacpp-bench"] * 2
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["repeat"] == 2
+    rows = {r["system"]: r for r in data["rows"]}
+    assert rows["pagellm"]["details"]["llm_kwargs"] == {}
+    assert rows["pagellm-f32"]["note"] == "quantization=none"
+    assert rows["pagellm-f32"]["details"]["llm_kwargs"] == {"quantization": "none"}
+    for name in ("pagellm", "pagellm-f32"):
+        r = rows[name]
+        assert len(r["runs"]) == 2 and r["output_tokens"] == 16
+        assert r["output_tokens_per_s"] == pytest.approx(
+            sum(x["output_tokens_per_s"] for x in r["runs"]) / 2)
+        assert r["peak_pss_mb"] > 50 and r["decode_tokens_per_s"] > 0
+    lb = rows["llamacpp-bench"]  # 16 in at 400 tok/s, 16 out at 100 tok/s
+    assert lb["output_tokens_per_s"] == pytest.approx(16 / (16 / 400 + 16 / 100), rel=1e-3)
+    assert lb["decode_tokens_per_s"] == 100.0 and lb["ttft_s"] == pytest.approx(0.04)
+    assert lb["startup_s"] is None and "-t " in lb["note"] and "tg16 @ d16" in lb["note"]
+    assert "median of 2 runs" in res.stdout
+
+
+def test_compare_run_order_and_medians() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+    assert compare.run_order(["a", "b"], 3, "abab") == ["a", "b"] * 3
+    assert compare.run_order(["a", "b"], 3, "abba") == ["a", "b", "b", "a", "a", "b"]
+    outs = [{"output_tokens": 256, "prompt_tokens": 128, "elapsed_s": e, "ready_time": 5.0,
+             "launch_time": 1.0, "tree_peak_rss_mb": m, "tree_peak_pss_mb": m / 2,
+             "decode_tokens_per_s": d, "ttft_s": 0.1} for e, m, d in ((2.0, 300, 150.0), (4.0, 500, 70.0),
+                                                                       (2.56, 400, 110.0))]
+    row = compare.make_row("pagellm", "S", outs)
+    assert row.output_tokens_per_s == 100.0 and row.decode_tokens_per_s == 110.0
+    assert row.peak_rss_mb == 500 and row.peak_pss_mb == 250 and row.startup_s == 4.0
+    assert [r["output_tokens_per_s"] for r in row.runs] == [128.0, 64.0, 100.0]
 
 
 def test_compare_serve_writes_table(tmp_path: Path) -> None:
