@@ -25,8 +25,10 @@ _F16_FIELDS: dict[str, list[tuple[int, int]]] = {
 }  # fmt: skip
 
 SHAPES: dict[str, dict[str, int]] = {
-    # Llama-3.2-1B's shapes (vocabulary cut to 32000 keeps the file ~0.7 GB in Q4_K_M)
-    "llama-3.2-1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=32000),
+    # Llama-3.2-1B's shapes; its vocabulary (128256) is replaced by another file's
+    # (`vocab_from`, by default pagellm's default model: 49152 tokens), which keeps the
+    # file ~0.8 GB in Q4_K_M and gives llama.cpp and transformers a real BPE tokenizer
+    "llama-3.2-1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=49152),
     "tiny": dict(hidden=256, inter=768, layers=2, heads=4, kv_heads=2, vocab=512),
 }
 
@@ -72,9 +74,11 @@ def q4_k_m_type(name: str, layer: int, layers: int) -> str:
 
 
 def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed: int = 0,
-                     tied: bool = False) -> None:
+                     tied: bool = False, vocab_from: str | None = None) -> None:
     """A Llama GGUF with random weights of `shape` and type mix `mix` ('q4_k_m' or a
-    single type name such as 'Q8_0'), a byte-level vocabulary of `vocab` tokens."""
+    single type name such as 'Q8_0'). The vocabulary is `vocab_from`'s (a GGUF with a
+    gpt2-style BPE tokenizer) when given, else `vocab` placeholder tokens without merges
+    (enough for transformers and pagellm, not for llama.cpp)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -91,14 +95,16 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    tokens = [f"<t{i}>" for i in range(vocab)]
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([1] * vocab)
-    w.add_token_merges([])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    if vocab_from is not None:
+        vocab = _copy_bpe_vocab(w, vocab_from)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"<t{i}>" for i in range(vocab)])
+        w.add_token_scores([0.0] * vocab)
+        w.add_token_types([1] * vocab)
+        w.add_token_merges([])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
 
     def type_of(name: str, layer: int) -> str:
         return q4_k_m_type(name, layer, n_layers) if mix == "q4_k_m" else mix.upper()
@@ -131,14 +137,54 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     w.close()
 
 
+def _copy_bpe_vocab(w: Any, source: str) -> int:
+    """Tokens, types, merges and special ids of `source`'s BPE vocabulary into writer `w`;
+    returns the vocabulary size."""
+    from pagellm.model_executor.weight_utils import gguf_field, open_gguf
+
+    reader = open_gguf(source)
+
+    def strings(key: str) -> list[str]:
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    if gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"{source}: vocab_from needs a gpt2-style (BPE) vocabulary")
+    tokens = strings("tokenizer.ggml.tokens")
+    types = reader.fields["tokenizer.ggml.token_type"]
+    w.add_tokenizer_model("gpt2")
+    pre = gguf_field(reader, "tokenizer.ggml.pre")
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([int(types.parts[i][0]) for i in types.data])
+    w.add_token_merges(strings("tokenizer.ggml.merges"))
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+        token_id = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            add(token_id)
+    template = gguf_field(reader, "tokenizer.chat_template")
+    if template:
+        w.add_chat_template(template)
+    return len(tokens)
+
+
 def main(argv: Any = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--mix", default="q4_k_m", help="q4_k_m or one type name (Q8_0, Q4_0, ...)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-from", default=None,
+                   help="GGUF whose BPE vocabulary to use (default for llama-3.2-1b: "
+                        "pagellm's default model)")
     args = p.parse_args(argv)
-    write_llama_gguf(args.path, SHAPES[args.shape], args.mix, args.seed)
+    vocab_from = args.vocab_from
+    if vocab_from is None and args.shape != "tiny":
+        from pagellm.model_executor.loader import default_model_path
+
+        vocab_from = default_model_path()
+    write_llama_gguf(args.path, SHAPES[args.shape], args.mix, args.seed, vocab_from=vocab_from)
     print(args.path)
 
 
