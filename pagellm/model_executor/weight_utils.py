@@ -236,14 +236,124 @@ def _dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
     return np.concatenate(slabs) if len(slabs) > 1 else slabs[0]
 
 
+class GGUFTensorInfo:
+    """One entry of a GGUF file's tensor index, with its data as a view of the mapping
+    (shaped as gguf's GGUFReader shapes it: float types [rows, cols] of their dtype,
+    block types [rows, bytes per row] uint8)."""
+
+    def __init__(self, name: str, dims: list[int], qtype: Any, data_offset: int,
+                 n_bytes: int, mapping: np.ndarray) -> None:
+        self.name = name
+        self.shape = np.array(dims, dtype=np.uint64)  # GGUF order: [cols, rows]
+        self.tensor_type = qtype
+        self.data_offset = data_offset
+        self.n_bytes = n_bytes
+        self._mapping = mapping
+
+    @property
+    def data(self) -> np.ndarray:
+        import gguf
+
+        raw = self._mapping[self.data_offset : self.data_offset + self.n_bytes]
+        if raw.nbytes != self.n_bytes:
+            raise ValueError(f"tensor {self.name!r} is cut short (truncated file?)")
+        dims = [int(d) for d in reversed(self.shape)]
+        float_dtypes = {gguf.GGMLQuantizationType.F32: np.float32,
+                        gguf.GGMLQuantizationType.F16: np.float16}
+        dtype = float_dtypes.get(self.tensor_type)
+        if dtype is not None:
+            return raw.view(dtype).reshape(dims)
+        block, size = gguf.GGML_QUANT_SIZES[self.tensor_type]
+        return raw.reshape(*dims[:-1], dims[-1] // block * size)
+
+
+class GGUFIndex:
+    """The parts of a GGUF file the weight loaders need, read without building Python
+    objects for the metadata (a vocabulary is ~100k fields: gguf's GGUFReader spends
+    ~0.5 s and ~75 MB on them, which the engine process would keep): the architecture,
+    and the tensor index over a read-only memory map."""
+
+    _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+    _STRING, _ARRAY = 8, 9
+
+    def __init__(self, path: str) -> None:
+        import struct
+
+        import gguf
+
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such GGUF file")
+        mapping = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = memoryview(mapping)
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            value = struct.unpack_from(fmt, buf, pos)[0]
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype == self._STRING:
+                n = take("<Q")  # (not `pos += take(...)`: take moves pos itself)
+                pos += n
+            elif vtype == self._ARRAY:
+                etype, count = take("<I"), take("<Q")
+                if etype in self._SCALAR:
+                    pos += struct.calcsize(self._SCALAR[etype]) * count
+                else:
+                    for _ in range(count):
+                        skip(etype)
+            else:
+                pos += struct.calcsize(self._SCALAR[vtype])
+
+        try:
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("no GGUF magic number")
+            pos = 8  # magic, version
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            self.architecture: str | None = None
+            alignment = 32
+            for _ in range(n_kv):
+                key, vtype = string(), take("<I")
+                if key == "general.architecture" and vtype == self._STRING:
+                    self.architecture = string()
+                elif key == "general.alignment" and vtype in self._SCALAR:
+                    alignment = int(take(self._SCALAR[vtype]))
+                else:
+                    skip(vtype)
+            infos = []
+            for _ in range(n_tensors):
+                name, n_dims = string(), take("<I")
+                dims = [take("<Q") for _ in range(n_dims)]
+                qtype, offset = gguf.GGMLQuantizationType(take("<I")), take("<Q")
+                infos.append((name, dims, qtype, offset))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a valid GGUF file: {e}") from e
+        start = -(-pos // alignment) * alignment
+        self.tensors: list[GGUFTensorInfo] = []
+        for name, dims, qtype, offset in infos:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims)) // block * size
+            self.tensors.append(GGUFTensorInfo(name, dims, qtype, start + offset, n_bytes, mapping))
+
+
 def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | None]]:
     """(HF name, GGUF tensor, heads whose q/k rows llama.cpp permuted or None) for every
     weight of a GGUF file."""
-    reader = open_gguf(path)
-    arch = gguf_field(reader, "general.architecture")
+    index = GGUFIndex(path)
+    arch = index.architecture
     n_heads = hf_config.num_attention_heads
     n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
-    for tensor in reader.tensors:
+    for tensor in index.tensors:
         hf_name = _gguf_hf_name(tensor.name)
         if hf_name is None:
             if tensor.name != "rope_freqs.weight":
