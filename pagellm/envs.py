@@ -44,6 +44,10 @@ _VARS = {
     "PAGELLM_CACHE_DIR": lambda: os.environ.get(
         "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     ),
+    # Activations of GGUF linears on the quantized path: "float32" (default: exact weights
+    # x float32 activations) or "q8" (opt-in, as llama.cpp: activations rounded to int8
+    # per 32 values for decode-sized batches, integer dot products; faster, not exact).
+    "PAGELLM_GGUF_ACTIVATIONS": lambda: os.environ.get("PAGELLM_GGUF_ACTIVATIONS", "float32"),
     # Cache a GGUF file's parsed config and dequantized weights under PAGELLM_CACHE_DIR.
     "PAGELLM_GGUF_CACHE": lambda: _bool("PAGELLM_GGUF_CACHE", True),
     # Torch intra-op threads in the engine core (0 = torch's default).

@@ -3,6 +3,7 @@ the system's C compiler at first use and cached under
 `<PAGELLM_CACHE_DIR>/kernels/<hash of sources, flags, CPU>/`. No build step at install.
 
 - `ggml_cpu.c`: GGUF block-quantized weights x float32 activations (quantization/gguf.py)
+- `ggml_q8.c`: the same weights x int8-rounded activations (opt-in, llama.cpp's way)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
 
@@ -51,6 +52,8 @@ def _compile_flags(simd: bool) -> list[str]:
         return [*flags, "-DPG_NO_SIMD"]
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma", "-mf16c"]
+        if "avx_vnni" in _cpu_flags():  # 8-bit dot products in one instruction (ggml_q8.c)
+            flags.append("-mavxvnni")
     return flags
 
 
@@ -114,6 +117,12 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_type_supported.argtypes = [ctypes.c_int]
     lib.pg_type_supported.restype = ctypes.c_int
     lib.pg_simd_level.restype = ctypes.c_int
+    lib.pg_q8_supported.argtypes = [ctypes.c_int]
+    lib.pg_q8_supported.restype = ctypes.c_int
+    lib.pg_quantize_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.pg_quantize_q8.restype = None
+    lib.pg_gemm_q8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
+    lib.pg_gemm_q8.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64,
                                     ptr, ptr, i64, ctypes.c_float, ptr]
     lib.pg_paged_decode.restype = ctypes.c_int

@@ -269,3 +269,43 @@ def test_no_compiler_falls_back_to_dequantized(q4_k_m_file: str, monkeypatch: py
             resolve_quantization("gguf", q4_k_m_file, "cpu")
     finally:
         kernels.load_kernels.cache_clear()
+
+
+Q8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES + ["Q3_K"])
+def test_q8_activations_are_opt_in_and_close(qtype: str) -> None:
+    """PAGELLM_GGUF_ACTIVATIONS=q8 (llama.cpp's int8 activations): within 2% of the float64
+    reference where a q8 kernel exists (activations are rounded: not exact), the exact
+    float32 kernel otherwise; prefill-sized inputs keep the float path."""
+    lib = kernels.load_kernels()
+    rng = np.random.default_rng(11)
+    n, k = 45, 512
+    data = random_blocks(qtype, n, k, rng)
+    t = int(gguf.GGMLQuantizationType[qtype])
+    groups = [gguf_method.WeightGroup(t, data, 0, n)]
+    ref = _reference(data, qtype, n, k)
+    has_q8 = bool(lib.pg_q8_supported(t))
+    assert has_q8 == (qtype in Q8_TYPES)
+    for m in (1, 5, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y_ref = x.double().numpy() @ ref.T
+        err = np.linalg.norm(gguf_method.gguf_matmul(groups, x, n, True).numpy() - y_ref) / np.linalg.norm(y_ref)
+        exact = not has_q8 or m > gguf_method.DIRECT_MAX_ROWS
+        assert err <= (1e-5 if exact else 2e-2), (m, err)
+        if not exact:
+            assert err > 1e-5  # the activations really were rounded
+
+
+def test_q8_activations_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagellm.model_executor.layers.quantization import get_quantization_config
+
+    mc = make_model_config(q4_k_m_file, quantization="gguf")
+    assert get_quantization_config(mc).activations == "float32"
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    assert model.model.layers[0].mlp.down_proj.quant_method.q8_activations
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of float32, q8"):
+        get_quantization_config(mc)

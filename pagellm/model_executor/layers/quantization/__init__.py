@@ -70,9 +70,10 @@ def get_quantization_config(model_config: Any) -> QuantizationConfig | None:
     if name is None:
         return None
     if name == "gguf":
+        from pagellm import envs
         from pagellm.model_executor.layers.quantization.gguf import GGUFConfig
 
-        return GGUFConfig(model_config.model_path)
+        return GGUFConfig(model_config.model_path, envs.PAGELLM_GGUF_ACTIVATIONS)
     raise ValueError(f"unknown quantization method {name!r}")
 
 

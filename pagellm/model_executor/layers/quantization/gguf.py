@@ -56,11 +56,21 @@ class WeightGroup:
         self.ptr = self.data.ctypes.data  # read once: a ctypes lookup per call costs ~1 us
 
 
-class GGUFConfig(QuantizationConfig):
-    """Linears and the embedding of a GGUF file keep the file's block types."""
+ACTIVATIONS = ("float32", "q8")
 
-    def __init__(self, model_path: str) -> None:
+
+class GGUFConfig(QuantizationConfig):
+    """Linears and the embedding of a GGUF file keep the file's block types.
+    `activations` "q8" (opt-in, PAGELLM_GGUF_ACTIVATIONS) rounds decode-sized inputs to
+    int8 per 32 values and multiplies in integers, as llama.cpp does."""
+
+    def __init__(self, model_path: str, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(
+                f"PAGELLM_GGUF_ACTIVATIONS={activations!r}: choose one of {', '.join(ACTIVATIONS)}"
+            )
         self.model_path = model_path
+        self.activations = activations
 
     @classmethod
     def get_name(cls) -> str:
@@ -70,7 +80,7 @@ class GGUFConfig(QuantizationConfig):
         from pagellm.model_executor.layers.linear import Embedding, Linear
 
         if isinstance(layer, Linear):
-            return GGUFLinearMethod()
+            return GGUFLinearMethod(q8_activations=self.activations == "q8")
         if isinstance(layer, Embedding):
             return GGUFEmbeddingMethod()
         return None
@@ -116,6 +126,9 @@ def _owned_rows(part: Any) -> np.ndarray:
 class GGUFLinearMethod(QuantizeMethodBase):
     """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`)."""
 
+    def __init__(self, q8_activations: bool = False) -> None:
+        self.q8_activations = q8_activations
+
     def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
                        bias: bool) -> None:
         layer.loaded_parts = [None] * len(output_sizes)
@@ -147,7 +160,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = gguf_matmul(layer.weight_groups, x, layer.out_features)
+        y = gguf_matmul(layer.weight_groups, x, layer.out_features, self.q8_activations)
         return y if bias is None else y + bias
 
 
@@ -174,8 +187,10 @@ def _scratch_tile(values: int) -> torch.Tensor:
     return buf[:values]
 
 
-def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int) -> torch.Tensor:
-    """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups."""
+def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
+                q8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups;
+    `q8_activations`: decode-sized x rounded to int8 per 32 values (see ggml_q8.c)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
@@ -184,8 +199,16 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int) -> torch
     if m <= DIRECT_MAX_ROWS:
         y = torch.empty(m, n_out, dtype=torch.float32)
         gemm, x_ptr, y_ptr = lib.pg_gemm, x.data_ptr(), y.data_ptr()
+        q8 = _quantize_q8(lib, x) if q8_activations and k % 32 == 0 else None
         for g in groups:
-            if gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, y_ptr + 4 * g.row_start, n_out):
+            out = y_ptr + 4 * g.row_start
+            if q8 is not None and lib.pg_q8_supported(g.qtype):
+                qx, dx, sx = q8
+                rc = lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(),
+                                    dx.data_ptr(), sx.data_ptr(), m, out, n_out)
+            else:
+                rc = gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, out, n_out)
+            if rc:
                 raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
         return y
     # Compute-bound: tiles of dequantized rows, each multiplied by oneDNN's float32
@@ -207,6 +230,16 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int) -> torch
             start = g.row_start + r0
             y[:, start : start + rows] = part
     return y
+
+
+def _quantize_q8(lib: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] -> (int8 values [M, K], scales [M, K/32], sums per 16 [M, K/16])."""
+    m, k = x.shape
+    qx = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // 32, dtype=torch.float32)
+    sx = torch.empty(m, k // 16, dtype=torch.int32)
+    lib.pg_quantize_q8(x.data_ptr(), k, m, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return qx, dx, sx
 
 
 def _dense_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
