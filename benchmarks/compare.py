@@ -32,14 +32,18 @@ from typing import Any
 
 import psutil
 
-SYSTEMS = ("pagellm", "pagellm-f32", "pagellm-mp", "hf", "vllm", "llamacpp", "llamacpp-bench")
-REFERENCE = ("pagellm", "pagellm-mp", "pagellm-f32")  # the ratio column divides by the first one present
+SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "hf", "vllm", "llamacpp",
+           "llamacpp-bench")
+REFERENCE = ("pagellm", "pagellm-mp", "pagellm-q8", "pagellm-f32")  # the ratio column divides by the first one present
 PAGELLM_SYSTEMS = {
     "pagellm": {},  # quantization detected: a GGUF's blocks stay quantized
     "pagellm-mp": {},
     "pagellm-f32": {"quantization": "none"},  # a GGUF dequantized to float32 at load
+    "pagellm-q8": {},  # quantized, with the opt-in int8 activations (PAGELLM_SYSTEM_ENV)
 }
 """pagellm's systems and the LLM(**kwargs) each adds over --pagellm-kwargs."""
+PAGELLM_SYSTEM_ENV = {"pagellm-q8": {"PAGELLM_GGUF_ACTIVATIONS": "q8"}}
+"""Environment a pagellm system's worker sets before building its LLM."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_PREFIX = "RESULT "
 
@@ -272,6 +276,7 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     from pagellm.sampling_params import SamplingParams
 
     kwargs = {**json.loads(args.pagellm_kwargs), **PAGELLM_SYSTEMS[args.worker]}
+    os.environ.update(PAGELLM_SYSTEM_ENV.get(args.worker, {}))
     llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp", **kwargs)
     quantization = getattr(llm.llm_engine.model_config, "quantization", None)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -288,7 +293,8 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     pss = tree_pss_mb(os.getpid())  # this process and, for pagellm-mp, its engine core
     llm.shutdown()
     return {**out, "ready_time": ready, "post_run_pss_mb": pss,
-            "note": f"quantization={quantization or 'none'}",
+            "note": f"quantization={quantization or 'none'}"
+                    + (" (q8 activations)" if args.worker == "pagellm-q8" else ""),
             "details": {"llm_kwargs": kwargs, "quantization": quantization}}
 
 
@@ -571,7 +577,7 @@ def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise RuntimeError(f"the server at {url} did not start within {timeout:.0f} s")
 
 
-WORKERS = {"pagellm": worker_pagellm, "pagellm-f32": worker_pagellm, "pagellm-mp": worker_pagellm,
+WORKERS = {"pagellm": worker_pagellm, "pagellm-f32": worker_pagellm, "pagellm-q8": worker_pagellm, "pagellm-mp": worker_pagellm,
            "hf": worker_hf, "llamacpp": worker_llamacpp, "llamacpp-bench": worker_llamacpp_bench}
 
 

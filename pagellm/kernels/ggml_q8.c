@@ -165,10 +165,12 @@ BLOCK32_DOT(dot_q8_0, 34, {
     scale = f16(b) * d_x;
 })
 
-/* Q4_K (HIGH5 = 0) and Q5_K (HIGH5 = 1): super-blocks of 8 groups of 32. */
+/* Q4_K (high5 = 0) and Q5_K (high5 = 1): super-blocks of 8 groups of 32; groups 2j and
+ * 2j+1 are the low and high nibbles of the same 32 bytes, loaded once. */
 static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx,
                             const float *dx, const int32_t *sx, int high5) {
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     float extra = 0.0f;
     int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
     for (int64_t sb = 0; sb < groups / 8; sb++) {
@@ -177,52 +179,70 @@ static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx
         k4_scales(b + 4, sc, mn);
         float d = f16(b), dmin = f16(b + 2);
         __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {
-            int64_t g = sb * 8 + s;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-            __m256i w = _mm256_loadu_si256((const __m256i *)(b + qs_off + 32 * (s >> 1)));
-            if (s & 1) w = _mm256_srli_epi16(w, 4);
-            w = _mm256_and_si256(w, _mm256_set1_epi8(0x0F));
+        const int64_t g0 = sb * 8;
+        for (int j = 0; j < 4; j++) {
+            int64_t g = g0 + 2 * j;
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs_off + 32 * j));
+            __m256i w0 = _mm256_and_si256(q, low4);
+            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
             if (high5) {
-                __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
-                w = _mm256_or_si256(w, _mm256_slli_epi16(hb, 4));
+                w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4));
+                w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4));
             }
-            acc[s & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w, x)),
-                                         _mm256_set1_ps(d * sc[s] * dx[g]), acc[s & 1]);
-            extra -= dmin * mn[s] * dx[g] * (sx[2 * g] + sx[2 * g + 1]);
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + 32 * g + 32));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w0, x0)),
+                                   _mm256_set1_ps(d * sc[2 * j] * dx[g]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w1, x1)),
+                                   _mm256_set1_ps(d * sc[2 * j + 1] * dx[g + 1]), acc1);
+            extra -= dmin * (mn[2 * j] * dx[g] * (sx[2 * g] + sx[2 * g + 1]) +
+                             mn[2 * j + 1] * dx[g + 1] * (sx[2 * g + 2] + sx[2 * g + 3]));
         }
     }
-    return hsum8(_mm256_add_ps(acc[0], acc[1])) + extra;
+    return hsum8(_mm256_add_ps(acc0, acc1)) + extra;
 }
 
-/* Q6_K: two scales per group (16 values each), values u6 - 32. */
+/* Q6_K: two scales per group (16 values each), values u6 - 32. Each half super-block
+ * (4 groups) loads its 64 low-bit bytes and 32 high-bit bytes once. */
 static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, const float *dx,
                       const int32_t *sx) {
     (void)sx;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * 210;
         float d = f16(b + 208);
         const int8_t *scales = (const int8_t *)(b + 192);
-        for (int s = 0; s < 8; s++) {
-            int64_t g = sb * 8 + s;
-            int h = s >> 2, t = s & 3;
-            __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
-            __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
-            if (t >= 2) ql = _mm256_srli_epi16(ql, 4);
-            ql = _mm256_and_si256(ql, _mm256_set1_epi8(0x0F));
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
-            __m256i ws = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-            __m256i w = _mm256_sign_epi8(ws, ws);
-            x = _mm256_sign_epi8(x, ws);
-            const int8_t *sc = scales + 8 * h + 2 * t;
-            float dg = d * dx[g];
-            __m256 scale = _mm256_set_m128(_mm_set1_ps(dg * sc[1]), _mm_set1_ps(dg * sc[0]));
-            acc[s & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w, x)), scale, acc[s & 1]);
+            __m256i lo[4] = {
+                _mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+            __m256i hi[4] = {
+                _mm256_and_si256(qh, three), _mm256_and_si256(_mm256_srli_epi16(qh, 2), three),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 4), three),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 6), three)};
+            for (int t = 0; t < 4; t++) {
+                int64_t g = sb * 8 + 4 * h + t;
+                __m256i ws = _mm256_sub_epi8(_mm256_or_si256(lo[t], _mm256_slli_epi16(hi[t], 4)), off);
+                __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + 32 * g)), ws);
+                __m256i w = _mm256_sign_epi8(ws, ws);
+                const int8_t *sc = scales + 8 * h + 2 * t;
+                float dg = d * dx[g];
+                __m256 scale = _mm256_set_m128(_mm_set1_ps(dg * sc[1]), _mm_set1_ps(dg * sc[0]));
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w, x)), scale, acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w, x)), scale, acc0);
+            }
         }
     }
-    return hsum8(_mm256_add_ps(acc[0], acc[1]));
+    return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
 static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8_t *qx,
