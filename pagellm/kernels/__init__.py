@@ -28,11 +28,9 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = sorted(
-    os.path.join(os.path.dirname(__file__), name)
-    for name in os.listdir(os.path.dirname(__file__))
-    if name.endswith(".c")
-)
+_DIR = os.path.dirname(__file__)
+_SOURCES = sorted(os.path.join(_DIR, n) for n in os.listdir(_DIR) if n.endswith(".c"))
+_HEADERS = sorted(os.path.join(_DIR, n) for n in os.listdir(_DIR) if n.endswith(".h"))
 
 
 def _cpu_flags() -> set[str]:
@@ -78,7 +76,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
         return None
     flags = _compile_flags(simd)
     source = b""
-    for path in _SOURCES:
+    for path in [*_SOURCES, *_HEADERS]:
         with open(path, "rb") as f:
             source += f.read()
     key = hashlib.sha256(

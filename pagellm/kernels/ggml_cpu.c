@@ -17,10 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PG_NO_SIMD)
-#include <immintrin.h>
-#define PG_AVX2 1
-#endif
+#include "ggml_common.h"
 
 /* ggml type ids (gguf.GGMLQuantizationType). */
 enum {
@@ -278,40 +275,23 @@ static inline void i8x32_scaled(__m256i q, __m256 d0, __m256 d1, __m256 *w) {
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d1);
 }
 
-/* 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then high. */
-static inline __m256i nibbles_32(const uint8_t *qs) {
-    __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-}
-
-/* Bit i of `bits` -> byte i of the result: 0x10 where set, else 0. */
-static inline __m256i bits_to_0x10(uint32_t bits) {
-    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                              0x0101010101010101, 0x0000000000000000);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
-    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
 static inline void avx_q4_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 18;
-    __m256i q = _mm256_sub_epi8(nibbles_32(b + 2), _mm256_set1_epi8(8));
+    __m256i q = _mm256_sub_epi8(pg_nibbles_32(b + 2), _mm256_set1_epi8(8));
     __m256 d = _mm256_set1_ps(load_f16(b));
     i8x32_scaled(q, d, d, w);
 }
 
 static inline void avx_q4_1(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 20;
-    u8x32_affine(nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
+    u8x32_affine(pg_nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
 }
 
 static inline void avx_q5_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 22;
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    __m256i q = _mm256_or_si256(nibbles_32(b + 6), bits_to_0x10(qh));
+    __m256i q = _mm256_or_si256(pg_nibbles_32(b + 6), pg_bits_to_0x10(qh));
     __m256 d = _mm256_set1_ps(load_f16(b));
     i8x32_scaled(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, w);
 }
@@ -320,7 +300,7 @@ static inline void avx_q5_1(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 24;
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
-    __m256i q = _mm256_or_si256(nibbles_32(b + 8), bits_to_0x10(qh));
+    __m256i q = _mm256_or_si256(pg_nibbles_32(b + 8), pg_bits_to_0x10(qh));
     u8x32_affine(q, _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
 }
 
@@ -392,15 +372,9 @@ static inline void avx_q6_k(const uint8_t *row, int64_t g, __m256 *w) {
             a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a2);                     \
             a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a3);                     \
         }                                                                                \
-        return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));        \
+        return pg_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));        \
     }
 
-static inline float hsum(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 AVX_ROW_FUNCS(q4_0)
 AVX_ROW_FUNCS(q4_1)
@@ -502,8 +476,8 @@ static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, 
         a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);
         b3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x3 + k + 8), b3);
     }
-    float r0 = hsum(_mm256_add_ps(a0, b0)), r1 = hsum(_mm256_add_ps(a1, b1));
-    float r2 = hsum(_mm256_add_ps(a2, b2)), r3 = hsum(_mm256_add_ps(a3, b3));
+    float r0 = pg_hsum(_mm256_add_ps(a0, b0)), r1 = pg_hsum(_mm256_add_ps(a1, b1));
+    float r2 = pg_hsum(_mm256_add_ps(a2, b2)), r3 = pg_hsum(_mm256_add_ps(a3, b3));
     for (; k < K; k++) {
         r0 += w[k] * x0[k];
         r1 += w[k] * x1[k];

@@ -13,15 +13,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PG_NO_SIMD)
-#include <immintrin.h>
-#define PG_Q8_AVX2 1
-#endif
+#include "ggml_common.h"
 
 enum { Q_Q4_0 = 2, Q_Q4_1 = 3, Q_Q5_0 = 6, Q_Q5_1 = 7, Q_Q8_0 = 8, Q_Q4_K = 12, Q_Q5_K = 13, Q_Q6_K = 14 };
 
 int pg_q8_supported(int type) {
-#ifdef PG_Q8_AVX2
+#ifdef PG_AVX2
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
         case Q_Q4_K: case Q_Q5_K: case Q_Q6_K:
@@ -56,27 +53,7 @@ void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *Q
     }
 }
 
-#ifdef PG_Q8_AVX2
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-static inline __m256i nib32(const uint8_t *qs) {
-    __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-}
-
-static inline __m256i hi_bits_0x10(uint32_t bits) {
-    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                              0x0101010101010101, 0x0000000000000000);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
-    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select),
-                            _mm256_set1_epi8(0x10));
-}
+#ifdef PG_AVX2
 
 /* sum of u8 w[i] * s8 x[i] per 16-value half: int32 lanes 0-3 (values 0-15), 4-7 (16-31);
  * one VNNI instruction where the CPU has AVX-VNNI */
@@ -88,12 +65,6 @@ static inline __m256i udot(__m256i w, __m256i x) {
 #endif
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 
 /* The 6-bit scales and mins of a Q4_K / Q5_K super-block's 8 sub-blocks. */
 static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
@@ -126,7 +97,7 @@ static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
                                          _mm256_set1_ps(scale), acc[g & 1]);             \
         }                                                                                \
         (void)sx;                                                                        \
-        return hsum8(_mm256_add_ps(acc[0], acc[1])) + extra;                             \
+        return pg_hsum(_mm256_add_ps(acc[0], acc[1])) + extra;                             \
     }
 
 /* signed weights (offset already subtracted): |w| times x carrying w's sign */
@@ -134,35 +105,35 @@ static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
 
 BLOCK32_DOT(dot_q4_0, 18, {
     (void)sum_x;
-    __m256i ws = _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
+    __m256i ws = _mm256_sub_epi8(pg_nibbles_32(b + 2), _mm256_set1_epi8(8));
     SIGNED_W(ws);
-    scale = f16(b) * d_x;
+    scale = pg_f16(b) * d_x;
 })
 BLOCK32_DOT(dot_q4_1, 20, {
-    w = nib32(b + 4);
-    scale = f16(b) * d_x;
-    extra += f16(b + 2) * d_x * sum_x;
+    w = pg_nibbles_32(b + 4);
+    scale = pg_f16(b) * d_x;
+    extra += pg_f16(b + 2) * d_x * sum_x;
 })
 BLOCK32_DOT(dot_q5_0, 22, {
     (void)sum_x;
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    __m256i ws = _mm256_sub_epi8(_mm256_or_si256(nib32(b + 6), hi_bits_0x10(qh)), _mm256_set1_epi8(16));
+    __m256i ws = _mm256_sub_epi8(_mm256_or_si256(pg_nibbles_32(b + 6), pg_bits_to_0x10(qh)), _mm256_set1_epi8(16));
     SIGNED_W(ws);
-    scale = f16(b) * d_x;
+    scale = pg_f16(b) * d_x;
 })
 BLOCK32_DOT(dot_q5_1, 24, {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
-    w = _mm256_or_si256(nib32(b + 8), hi_bits_0x10(qh));
-    scale = f16(b) * d_x;
-    extra += f16(b + 2) * d_x * sum_x;
+    w = _mm256_or_si256(pg_nibbles_32(b + 8), pg_bits_to_0x10(qh));
+    scale = pg_f16(b) * d_x;
+    extra += pg_f16(b + 2) * d_x * sum_x;
 })
 BLOCK32_DOT(dot_q8_0, 34, {
     (void)sum_x;
     __m256i ws = _mm256_loadu_si256((const __m256i *)(b + 2));
     SIGNED_W(ws);
-    scale = f16(b) * d_x;
+    scale = pg_f16(b) * d_x;
 })
 
 /* Q4_K (high5 = 0) and Q5_K (high5 = 1): super-blocks of 8 groups of 32; groups 2j and
@@ -177,7 +148,7 @@ static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx
         const uint8_t *b = row + sb * bytes;
         uint8_t sc[8], mn[8];
         k4_scales(b + 4, sc, mn);
-        float d = f16(b), dmin = f16(b + 2);
+        float d = pg_f16(b), dmin = pg_f16(b + 2);
         __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         const int64_t g0 = sb * 8;
         for (int j = 0; j < 4; j++) {
@@ -201,7 +172,7 @@ static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx
                              mn[2 * j + 1] * dx[g + 1] * (sx[2 * g + 2] + sx[2 * g + 3]));
         }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1)) + extra;
+    return pg_hsum(_mm256_add_ps(acc0, acc1)) + extra;
 }
 
 /* Q6_K: two scales per group (16 values each), values u6 - 32. Each half super-block
@@ -213,7 +184,7 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * 210;
-        float d = f16(b + 208);
+        float d = pg_f16(b + 208);
         const int8_t *scales = (const int8_t *)(b + 192);
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
@@ -242,7 +213,7 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
             }
         }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1));
+    return pg_hsum(_mm256_add_ps(acc0, acc1));
 }
 
 static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8_t *qx,
@@ -266,7 +237,7 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32) return -1;
-#ifdef PG_Q8_AVX2
+#ifdef PG_AVX2
 #pragma omp parallel for schedule(static) if (N * K * M >= 262144)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = W + n * row_bytes;

@@ -1,0 +1,44 @@
+/* Helpers shared by the GGUF kernels (ggml_cpu.c, ggml_q8.c): float16 scales and the
+ * AVX2 unpacking of 4-bit values and of 5th bits. */
+#ifndef PAGELLM_GGML_COMMON_H
+#define PAGELLM_GGML_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PG_NO_SIMD)
+#include <immintrin.h>
+#define PG_AVX2 1
+
+static inline float pg_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then high. */
+static inline __m256i pg_nibbles_32(const uint8_t *qs) {
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+/* Bit i of `bits` -> byte i of the result: 0x10 where set, else 0. */
+static inline __m256i pg_bits_to_0x10(uint32_t bits) {
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                              0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuffle);
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+static inline float pg_hsum(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#endif
+
+#endif
