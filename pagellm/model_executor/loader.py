@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -239,6 +240,7 @@ def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
 
         return PreTrainedTokenizerFast.from_pretrained(cache_dir)
     directory, name = os.path.split(os.path.abspath(source))
+    start = time.perf_counter()
     try:
         if gguf_tokenizer.is_spm_gguf(source):
             tok = gguf_tokenizer.build_spm_tokenizer(source)
@@ -249,6 +251,8 @@ def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
     except Exception as e:
         raise ValueError(f"{source}: cannot build a tokenizer from the GGUF metadata: {e}") from e
     _save_atomically(tok, cache_dir)
+    logger.info("Converted the GGUF vocabulary of %s to a fast tokenizer once in %.1f s "
+                "(cached in %s)", os.path.basename(source), time.perf_counter() - start, cache_dir)
     return tok
 
 
