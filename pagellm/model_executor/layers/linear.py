@@ -126,13 +126,14 @@ class Linear(nn.Module):
     """y = x @ W.T (+ b) for W [out, in], kept and multiplied by `quant_method`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 output_sizes: list[int] | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.prefix = prefix
-        if not hasattr(self, "output_sizes"):
-            self.output_sizes = [out_features]
+        self.output_sizes = list(output_sizes or [out_features])
+        """Rows of each part the checkpoint stores separately (one for a plain linear)."""
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         method = quant_config.get_quant_method(self, prefix) if quant_config else None
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
@@ -152,9 +153,6 @@ class Linear(nn.Module):
             )
         with torch.no_grad():
             self.bias[start : start + size].copy_(loaded)
-
-    def load_shard(self, param_name: str, shard: int, loaded: Any) -> None:
-        self.weight_loader(param_name, shard, loaded)
 
     def expected_weights(self) -> list[str]:
         """Names (relative to the layer) the loader must fill: one per part and parameter."""
@@ -186,8 +184,7 @@ class MergedLinear(Linear):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix)
+        super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix, output_sizes)
 
 
 class UnquantizedEmbeddingMethod:
