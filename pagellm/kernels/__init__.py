@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 
 from pagellm import envs
@@ -86,7 +87,12 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib_path = os.path.join(out_dir, "pagellm_kernels.so")
     if not os.path.isfile(lib_path):
         start = time.perf_counter()
-        os.makedirs(out_dir, exist_ok=True)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:  # a read-only cache: build for this process only
+            out_dir = tempfile.mkdtemp(prefix="pagellm-kernels-")
+            logger.warning("Cannot write the kernel cache (%s); building in %s", e, out_dir)
+            lib_path = os.path.join(out_dir, "pagellm_kernels.so")
         tmp = f"{lib_path}.tmp-{os.getpid()}"
         cmd = [compiler, *flags, *_SOURCES, "-o", tmp]
         try:

@@ -309,3 +309,20 @@ def test_q8_activations_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "int4")
     with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of float32, q8"):
         get_quantization_config(mc)
+
+
+def test_unwritable_kernel_cache_still_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                              logs: Any) -> None:
+    """A cache directory that cannot be created (a file stands in its way) costs a
+    warning and a private build, not a crash."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(blocker))
+    kernels.load_kernels.cache_clear()
+    try:
+        with logs.at_level(logging.WARNING, logger="pagellm"):
+            lib = kernels.load_kernels()
+        assert lib is not None and lib.pg_type_supported(2) == 1
+        assert any(r.getMessage().startswith("Cannot write the kernel cache") for r in logs.records)
+    finally:
+        kernels.load_kernels.cache_clear()
