@@ -326,3 +326,14 @@ def test_unwritable_kernel_cache_still_builds(monkeypatch: pytest.MonkeyPatch, t
         assert any(r.getMessage().startswith("Cannot write the kernel cache") for r in logs.records)
     finally:
         kernels.load_kernels.cache_clear()
+
+
+def test_quantized_embedding_checks_token_ids(q4_k_m_file: str) -> None:
+    model = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"),
+                      get_attn_backend("torch"))
+    embed = model.model.embed_tokens
+    rows = embed(torch.tensor([0, 511]))
+    ref = _reference(embed.weight_groups[0].data, "Q4_K", 512, 256)
+    np.testing.assert_array_equal(rows.numpy(), ref[[0, 511]].astype(np.float32))
+    with pytest.raises(IndexError, match=r"token ids must be < 512"):
+        embed(torch.tensor([3, 512]))

@@ -262,6 +262,9 @@ class GGUFEmbeddingMethod:
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         (g,) = layer.weight_groups
         ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < layer.num_embeddings:
+            # the C lookup does not check bounds; F.embedding's error, for the same input
+            raise IndexError(f"index out of range in self (token ids must be < {layer.num_embeddings})")
         out = torch.empty(*ids.shape, layer.embedding_dim, dtype=torch.float32)
         _kernels().pg_dequant_rows(g.qtype, g.ptr, g.row_bytes, layer.embedding_dim,
                                    ids.data_ptr(), 0, ids.numel(), out.data_ptr())
