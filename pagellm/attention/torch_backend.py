@@ -225,9 +225,9 @@ class TorchAttentionImpl(AttentionImpl):
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
-        k_store, v_store = _storage(*kv_cache)
+        k_store, v_store = self._storage(kv_cache)
         n = metadata.num_actual_tokens
-        lib = self.kernels if _c_ready(k_store, key, value) else None
+        lib = self.kernels if _c_ready(k_store, key, value, metadata.slot_mapping) else None
         if lib is not None:
             kvh, nb, d, bs = k_store.shape
             lib.pg_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), n,
@@ -247,6 +247,13 @@ class TorchAttentionImpl(AttentionImpl):
                 query, key, value, k_store, v_store, chunk
             )
         return out
+
+    def _storage(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_storage` of this layer's cache, worked out once (the runner keeps the tensors)."""
+        cached = self.__dict__.get("_store")
+        if cached is None or cached[0] is not kv_cache[0]:
+            cached = self._store = (kv_cache[0], *_storage(*kv_cache))
+        return cached[1], cached[2]
 
     def _decode_c(
         self, lib: Any, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
@@ -387,11 +394,14 @@ def c_kernels() -> Any:
     return load_kernels()
 
 
-def _c_ready(k_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """The C kernels take float32 CPU caches and K/V rows whose heads are contiguous."""
+def _c_ready(k_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """The C kernels take float32 CPU caches, int64 slots and K/V rows whose heads are
+    contiguous."""
     return (
         k_store.dtype == torch.float32
         and k_store.device.type == "cpu"
+        and slots.dtype == torch.int64 and slots.is_contiguous()
         and key.dtype == value.dtype == torch.float32
         and key.stride(2) == 1 and value.stride(2) == 1
         and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]
