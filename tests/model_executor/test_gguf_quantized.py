@@ -337,3 +337,13 @@ def test_quantized_embedding_checks_token_ids(q4_k_m_file: str) -> None:
     np.testing.assert_array_equal(rows.numpy(), ref[[0, 511]].astype(np.float32))
     with pytest.raises(IndexError, match=r"token ids must be < 512"):
         embed(torch.tensor([3, 512]))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_kernels_share_torchs_openmp_runtime() -> None:
+    """One OpenMP runtime in the process: the kernels' parallel regions use torch's thread
+    pool and thread count, not a second pool competing for the same cores."""
+    assert kernels.load_kernels() is not None
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
