@@ -1,6 +1,7 @@
 """Reading checkpoints: GGUF files (metadata, tensor index, dequantization, llama.cpp →
-Hugging Face tensor names) and safetensors directories. Yields (HF name, float tensor)
-pairs; knows nothing about model classes beyond the names they use.
+Hugging Face tensor names) and safetensors directories. Yields (HF name, tensor) pairs:
+float tensors, or on the quantized GGUF path `GGUFTensor`s (a 2-D weight still in the
+file's blocks); knows nothing about model classes beyond the names they use.
 """
 
 from __future__ import annotations
