@@ -249,9 +249,13 @@ def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float] | None
     return out
 
 
-def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tmp_path) -> None:
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tmp_path,
+                                              quantization: str | None) -> None:
     """A Llama 3.x GGUF carries its rope scaling only as the `rope_freqs` divisors; loaded
-    from GGUF, the tiny llama3 model must give the logits HF gives from its config."""
+    from GGUF, the tiny llama3 model must give the logits HF gives from its config, on
+    the float path and on the quantized path (its F32 blocks through the kernels, q/k
+    rows moved back to HF's order)."""
     model_dir = tiny_model("llama", rope_parameters=LLAMA3_ROPE)
     mc_hf = make_model_config(model_dir)
     head_dim = mc_hf.head_dim
@@ -259,7 +263,7 @@ def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tm
     assert 1.0 in factors and LLAMA3_ROPE["factor"] in factors  # all three bands present
     assert any(1.0 < f < LLAMA3_ROPE["factor"] for f in factors)
     path = _write_llama_gguf(model_dir, str(tmp_path / "tiny-llama3.gguf"), factors)
-    mc = make_model_config(path)
+    mc = make_model_config(path, quantization=quantization)
     assert mc.hf_config.rope_freq_factors == pytest.approx(factors)
     prompt = token_ids(130)  # past original 64 positions
     runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
