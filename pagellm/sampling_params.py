@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+# logprobs / prompt_logprobs = ALL_LOGPROBS: every token of the vocabulary (vLLM's -1).
+ALL_LOGPROBS = -1
 _MAX_TEMP = 1e-2
 
 
@@ -114,8 +116,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < -1):
-                raise bad(name, "an integer, -1 (full vocabulary) or non-negative", value)
+            if value is not None and (not isinstance(value, int) or value < ALL_LOGPROBS):
+                raise bad(name, f"an integer, {ALL_LOGPROBS} (full vocabulary) or non-negative", value)
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):

@@ -55,14 +55,7 @@ class EngineCore:
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def ready_response(self) -> EngineCoreReadyResponse:
-        sc = self.config.scheduler_config
-        return EngineCoreReadyResponse(
-            num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0,
-            max_model_len=self.config.model_config.max_model_len,
-            block_size=self.config.cache_config.block_size,
-            max_num_seqs=sc.max_num_seqs,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-        )
+        return EngineCoreReadyResponse(num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0)
 
     # -- requests --------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from pagellm.core.protocol import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     UtilityOutput,
+    engine_identity,
 )
 from pagellm.logger import init_logger
 
@@ -65,7 +66,7 @@ class EngineCoreProc:
     def _input_loop(self, address: str) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.rank.to_bytes(2, "little"))
+        sock.setsockopt(zmq.IDENTITY, engine_identity(self.rank))
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         sock.send(serial.encode(self.engine.ready_response()))
@@ -200,7 +201,7 @@ def _set_parent_death_signal() -> None:
 
 def _send_startup_failure(input_address: str, rank: int, message: str) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, rank.to_bytes(2, "little"))
+    sock.setsockopt(zmq.IDENTITY, engine_identity(rank))
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(input_address)
     sock.send_multipart([HANDSHAKE_FAILED, message.encode()])

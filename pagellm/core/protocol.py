@@ -102,13 +102,20 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
-    """Sent by an engine core once its model is loaded and KV cache allocated."""
+    """Sent by an engine core once its model is loaded and KV cache allocated: what it
+    measured that the frontend's config cannot know."""
 
     num_gpu_blocks: int
-    max_model_len: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
 
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+def engine_identity(rank: int) -> bytes:
+    """The ZMQ identity of rank's engine core (its DEALER socket); the client's ROUTER
+    addresses the engine by it and reads the rank of a handshake frame back from it."""
+    return rank.to_bytes(2, "little")
+
+
+def rank_of_identity(identity: bytes) -> int:
+    return int.from_bytes(identity, "little")

@@ -68,7 +68,9 @@ class Request:
         self.priority = priority
         self.client_index = client_index
         self.eos_token_id = sampling_params.eos_token_id
-        self.max_tokens = sampling_params.max_tokens or 1  # filled by the input processor
+        if sampling_params.max_tokens is None:  # the input processor fills it from the context left
+            raise ValueError(f"Request {request_id!r} reached the engine core without max_tokens.")
+        self.max_tokens = sampling_params.max_tokens
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

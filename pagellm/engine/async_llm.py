@@ -16,7 +16,7 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import AsyncMPClient, EngineCoreClient
+from pagellm.engine.core_client import EngineCoreClient
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_frontend_and_core
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -30,10 +30,9 @@ logger = init_logger(__name__)
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, log_stats: bool = True, stat_loggers: list[Any] | None = None):
-        self.tokenizer, self.input_processor, core = start_frontend_and_core(
-            config, lambda: EngineCoreClient.make_async_mp_client(config)
+        self.tokenizer, self.input_processor, self.engine_core = start_frontend_and_core(
+            config, lambda: EngineCoreClient.make_client(True, True, config)
         )
-        self.engine_core: AsyncMPClient = core  # type: ignore[assignment]
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.config = apply_ready_response(config, self.engine_core)
         self.model_config = self.config.model_config
@@ -41,7 +40,6 @@ class AsyncLLM:
         # Objects with record(scheduler_stats, iteration_stats, engine_index) (metrics, logs).
         self.stat_loggers: list[Any] = list(stat_loggers or [])
         self.output_handler: asyncio.Task | None = None
-        self._dead_error: BaseException | None = None
         self._shutdown = False
 
     @classmethod
@@ -53,7 +51,7 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         handler_done = self.output_handler is not None and self.output_handler.done()
-        return self.engine_core.resources.engine_dead or handler_done or self._dead_error is not None
+        return self.engine_core.engine_dead or handler_done
 
     @property
     def is_running(self) -> bool:
@@ -85,21 +83,22 @@ class AsyncLLM:
     ) -> RequestOutputCollector:
         if self.errored:
             raise self.dead_error
-        if request_id in self.output_processor.request_states or request_id in self.output_processor.parent_requests:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if isinstance(prompt, EngineCoreRequest):
             request = prompt
+            _check_ready_made(request, request_id)
         else:
             request, prompt_text = self.input_processor.process_inputs(
                 request_id, prompt, params, arrival_time or time.time(), priority,
                 add_special_tokens, data_parallel_rank,
             )
         self._run_output_handler()
-        queue = RequestOutputCollector(request.sampling_params.output_kind, request_id)
+        collector = RequestOutputCollector(request.sampling_params.output_kind, request_id)
         parent, core_requests = fan_out(request)
         try:
             for index, core_request in enumerate(core_requests):
-                self.output_processor.add_request(core_request, prompt_text, parent, index, queue)
+                self.output_processor.add_request(core_request, prompt_text, parent, index, collector)
                 await self.engine_core.add_request_async(core_request)
         except BaseException:
             # A failed add leaves nothing behind: the id can be used again.
@@ -107,7 +106,7 @@ class AsyncLLM:
             if internal and not self.errored:
                 await self.engine_core.abort_requests_async(internal)
             raise
-        return queue
+        return collector
 
     async def generate(
         self,
@@ -120,19 +119,19 @@ class AsyncLLM:
         data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields RequestOutputs for one request until it finishes (as its output_kind says)."""
-        queue: RequestOutputCollector | None = None
+        collector: RequestOutputCollector | None = None
         try:
-            queue = await self.add_request(
+            collector = await self.add_request(
                 request_id, prompt, sampling_params, priority=priority,
                 add_special_tokens=add_special_tokens, data_parallel_rank=data_parallel_rank,
             )
             finished = False
             while not finished:
-                out = queue.get_nowait() or await queue.get()
+                out = collector.get_nowait() or await collector.get()
                 finished = out.finished
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
-            if queue is not None:
+            if collector is not None:
                 await self.abort(request_id)
             raise
         except (EngineDeadError, ValueError):
@@ -148,7 +147,7 @@ class AsyncLLM:
             for stat_logger in self.stat_loggers:
                 if hasattr(stat_logger, "record_abort"):
                     stat_logger.record_abort(len(ids))
-        if internal and not self.engine_core.resources.engine_dead:
+        if internal and not self.engine_core.engine_dead:
             await self.engine_core.abort_requests_async(internal)
 
     # -- the output handler ------------------------------------------------------------
@@ -209,6 +208,15 @@ class AsyncLLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def _check_ready_made(request: EngineCoreRequest, request_id: str) -> None:
+    """A ready-made EngineCoreRequest skips the InputProcessor, so it must already carry
+    what the processor would have filled in."""
+    if request.request_id != request_id:
+        raise ValueError(f"request_id {request_id!r} differs from the EngineCoreRequest's {request.request_id!r}.")
+    if request.sampling_params.max_tokens is None:
+        raise ValueError("An EngineCoreRequest needs max_tokens set (InputProcessor.process_inputs fills it).")
 
 
 def _new_iteration_stats() -> Any:

@@ -18,8 +18,8 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +38,8 @@ from pagellm.core.protocol import (
     EngineCoreReadyResponse,
     EngineCoreRequest,
     EngineCoreRequestType,
+    engine_identity,
+    rank_of_identity,
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineStartupError
 from pagellm.logger import init_logger
@@ -45,13 +47,16 @@ from pagellm.logger import init_logger
 logger = init_logger(__name__)
 
 
-class EngineCoreClient:
-    """Interface; see the subclasses."""
+class EngineCoreClient(ABC):
+    """The frontend's view of the engine core(s). A client implements the sync API (for
+    LLMEngine) or the async one (for AsyncLLM); the other half raises NotImplementedError.
+    Subclasses keep these signatures exactly."""
 
     ready: EngineCoreReadyResponse
 
     @staticmethod
     def make_client(multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig) -> EngineCoreClient:
+        """The one factory: LLMEngine asks for the sync API, AsyncLLM for the async one."""
         if asyncio_mode:
             if not multiprocess_mode:
                 raise ValueError("AsyncLLM needs the engine core in its own process.")
@@ -75,7 +80,13 @@ class EngineCoreClient:
             return DPLBAsyncMPClient(config)
         return AsyncMPClient(config)
 
+    @abstractmethod
     def shutdown(self) -> None: ...
+
+    @property
+    def engine_dead(self) -> bool:
+        """True once an engine core is gone (every later call raises EngineDeadError)."""
+        return False
 
     # sync API
     def get_output(self) -> EngineCoreOutputs: raise NotImplementedError
@@ -87,7 +98,9 @@ class EngineCoreClient:
     async def get_output_async(self) -> EngineCoreOutputs: raise NotImplementedError
     async def add_request_async(self, request: EngineCoreRequest) -> None: raise NotImplementedError
     async def abort_requests_async(self, request_ids: list[str]) -> None: raise NotImplementedError
-    async def call_utility_async(self, method: str, *args: Any) -> Any: raise NotImplementedError
+    async def call_utility_async(self, method: str, *args: Any, rank: int | None = None) -> Any:
+        """Runs EngineCore.<method>(*args) on engine `rank` (None: the client decides)."""
+        raise NotImplementedError
 
 
 class InprocClient(EngineCoreClient):
@@ -182,7 +195,7 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
             raise TimeoutError("Timed out waiting for the engine core to start.")
         if sock.poll(100):
             frames = sock.recv_multipart()
-            rank = int.from_bytes(frames[0], "little")
+            rank = rank_of_identity(frames[0])
             if frames[1] == HANDSHAKE_FAILED:
                 raise EngineStartupError(f"Engine core initialization failed: {frames[2].decode()}")
             ready[rank] = serial.ready_decoder.decode(frames[1])
@@ -197,6 +210,12 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
                     f"{proc.returncode}. See its log above."
                 )
     return ready
+
+
+def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> EngineCoreReadyResponse:
+    """One response for the frontend from every rank's: each engine has its own KV pool,
+    and the frontend reports the smallest (what every engine holds at least)."""
+    return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()))
 
 
 class MPClient(EngineCoreClient):
@@ -234,9 +253,8 @@ class MPClient(EngineCoreClient):
 
         res.procs = _launch_engines(self.config, self.ranks, input_addr, output_addr)
         self.procs = dict(zip(self.ranks, res.procs))
-        readies = _wait_for_ready(self.input_socket, self.procs)
-        self.ready = readies[self.ranks[0]]
-        self.identities = {rank: rank.to_bytes(2, "little") for rank in self.ranks}
+        self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, self.procs))
+        self.identities = {rank: engine_identity(rank) for rank in self.ranks}
         self._start_monitor()
 
     def _start_monitor(self) -> None:
@@ -261,11 +279,15 @@ class MPClient(EngineCoreClient):
     def _on_engine_dead(self) -> None: ...
 
     @property
+    def engine_dead(self) -> bool:
+        return self.resources.engine_dead
+
+    @property
     def engine_pids(self) -> list[int]:
         return [p.pid for p in self.resources.procs]
 
     def ensure_alive(self) -> None:
-        if self.resources.engine_dead:
+        if self.engine_dead:
             raise EngineDeadError()
 
     def _send(self, rank: int, req_type: EngineCoreRequestType, payload: Any) -> None:
@@ -307,7 +329,7 @@ class SyncMPClient(MPClient):
             self._send(0, EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.resources.engine_dead:
+        if request_ids and not self.engine_dead:
             with self._lock:
                 self._send(0, EngineCoreRequestType.ABORT, list(request_ids))
 
@@ -429,7 +451,7 @@ class AsyncMPClient(MPClient):
         self._send(self._choose_rank(request), EngineCoreRequestType.ADD, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and not self.resources.engine_dead:
+        if request_ids and not self.engine_dead:
             for rank, ids in self._group_aborts(request_ids).items():
                 self._send(rank, EngineCoreRequestType.ABORT, ids)
 
@@ -515,6 +537,3 @@ class DPLBAsyncMPClient(AsyncMPClient):
                 groups.setdefault(rank, []).append(req_id)
         return groups
 
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

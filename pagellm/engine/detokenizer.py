@@ -12,6 +12,7 @@ from typing import Any
 
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.outputs import Logprob, LogprobsLists, SampleLogprobs
+from pagellm.sampling_params import ALL_LOGPROBS
 
 try:  # tokenizers >= 0.21
     from tokenizers import Tokenizer
@@ -237,11 +238,11 @@ def check_stop_strings(
 
 def convert_logprobs(tokenizer: Any, logprobs: LogprobsLists, num_logprobs: int) -> SampleLogprobs:
     """One {token_id: Logprob} per position: the chosen token (with its rank) first, then
-    the top num_logprobs (-1 = all given) ranked 1..k. Decoded text needs a tokenizer."""
+    the top num_logprobs (ALL_LOGPROBS: all given) ranked 1..k. Decoded text needs a tokenizer."""
     decode = _token_decoder(tokenizer)
     result: SampleLogprobs = []
     for ids, lps, rank in zip(logprobs.logprob_token_ids, logprobs.logprobs, logprobs.ranks):
-        width = len(ids) if num_logprobs < 0 else min(len(ids), 1 + num_logprobs)
+        width = len(ids) if num_logprobs == ALL_LOGPROBS else min(len(ids), 1 + num_logprobs)
         position = {ids[0]: Logprob(lps[0], rank, decode(ids[0]))}
         for top_rank, (token_id, lp) in enumerate(zip(ids[1:width], lps[1:width]), start=1):
             if token_id not in position:

@@ -15,8 +15,6 @@ class EngineGenerateError(Exception):
 class EngineDeadError(Exception):
     """The engine core is gone; every in-flight and future request fails with this."""
 
-    CLIENT_MESSAGE = "The engine stopped unexpectedly; the server must be restarted."
-
     def __init__(self, *args: object, suppress_context: bool = False) -> None:
         if not args:
             args = ("EngineCore encountered an issue. See stack trace (above) for the root cause.",)

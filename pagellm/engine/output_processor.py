@@ -135,7 +135,7 @@ class RequestState:
         tokenizer: Any,
         parent_req: ParentRequest | None,
         request_index: int,
-        queue: RequestOutputCollector | None,
+        collector: RequestOutputCollector | None,
         log_stats: bool,
     ) -> None:
         params = request.sampling_params
@@ -148,7 +148,7 @@ class RequestState:
         self.max_tokens_param = params.max_tokens
         self.tokenizer = tokenizer
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
-        self.queue = queue
+        self.collector = collector  # AsyncLLM's mailbox for this request; None for LLMEngine
         self.num_cached_tokens = 0
         # Logprobs: None when not requested. The *_sent counters drive DELTA emission.
         self.num_logprobs = params.logprobs
@@ -305,18 +305,22 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a user request (or an n > 1 parent) with this id is still live."""
+        return request_id in self.request_states or request_id in self.parent_requests
+
     def add_request(
         self,
         request: EngineCoreRequest,
         prompt: str | None,
         parent_req: ParentRequest | None = None,
         request_index: int = 0,
-        queue: RequestOutputCollector | None = None,
+        collector: RequestOutputCollector | None = None,
     ) -> None:
         if request.request_id in self.request_states:
             raise ValueError(f"Request id {request.request_id!r} is already running.")
         self.request_states[request.request_id] = RequestState(
-            request, prompt, self.tokenizer, parent_req, request_index, queue, self.log_stats
+            request, prompt, self.tokenizer, parent_req, request_index, collector, self.log_stats
         )
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
@@ -365,8 +369,8 @@ class OutputProcessor:
 
         request_output = req_state.make_request_output(new_token_ids, finish_reason, stop_reason)
         if request_output is not None:
-            if req_state.queue is not None:
-                req_state.queue.put(request_output)
+            if req_state.collector is not None:
+                req_state.collector.put(request_output)
             else:
                 result.request_outputs.append(request_output)
         if finish_reason is not None:
@@ -399,14 +403,14 @@ class OutputProcessor:
     def _abort_one(self, req_state: RequestState) -> None:
         request_output = req_state.make_request_output([], FinishReason.ABORT, None)
         self._finish_request(req_state)
-        if req_state.queue is not None and request_output is not None:
-            req_state.queue.put(request_output)
+        if req_state.collector is not None and request_output is not None:
+            req_state.collector.put(request_output)
 
     def propagate_error(self, e: Exception) -> None:
         """Hands an engine failure to every waiting consumer."""
         for req_state in self.request_states.values():
-            if req_state.queue is not None:
-                req_state.queue.put(e)
+            if req_state.collector is not None:
+                req_state.collector.put(e)
 
 
 def _update_stats(

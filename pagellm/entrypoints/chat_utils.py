@@ -6,7 +6,8 @@ import json
 import os
 from typing import Any
 
-_ROLES = ("system", "user", "assistant", "tool", "developer")
+# The message roles a request may use (the server's schema checks against this list too).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -18,8 +19,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'.")
         role = msg.get("role")
-        if role not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}.")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}.")
         content = msg.get("content")
         if content is None:
             content = ""

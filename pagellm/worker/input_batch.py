@@ -13,7 +13,10 @@ import numpy as np
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sampling_params import SamplingParams, SamplingType
+from pagellm.sampling_params import ALL_LOGPROBS, SamplingParams, SamplingType
+
+# num_logprobs of a row that asked for no logprobs (ALL_LOGPROBS, -1, is the vocabulary).
+NO_LOGPROBS = -2
 
 
 @dataclass
@@ -56,7 +59,8 @@ class InputBatch:
         self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition = np.ones(max_num_reqs, dtype=np.float32)
         self.greedy = np.zeros(max_num_reqs, dtype=bool)
-        self.num_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)  # -2: none requested
+        # Per row: NO_LOGPROBS, ALL_LOGPROBS or how many top logprobs it asked for.
+        self.num_logprobs = np.full(max_num_reqs, NO_LOGPROBS, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     @property
@@ -89,7 +93,7 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
-        self.num_logprobs[row] = -2 if p.logprobs is None else p.logprobs
+        self.num_logprobs[row] = NO_LOGPROBS if p.logprobs is None else p.logprobs
         return row
 
     def remove_request(self, req_id: str) -> None:
@@ -139,8 +143,8 @@ class InputBatch:
             or (self.repetition[rows] != 1).any()
         )
         num_logprobs = self.num_logprobs[rows]
-        max_num_logprobs = int(num_logprobs.max()) if (num_logprobs > -2).any() else None
-        if max_num_logprobs == -1:
+        max_num_logprobs = int(num_logprobs.max()) if (num_logprobs != NO_LOGPROBS).any() else None
+        if max_num_logprobs == ALL_LOGPROBS:
             max_num_logprobs = self.vocab_size
         prompt_ids = None
         if not no_penalties:

@@ -42,7 +42,6 @@ class ModelRunner:
         self.dtype = self.model_config.dtype
         self.block_size = self.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
-        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.input_batch: InputBatch | None = None

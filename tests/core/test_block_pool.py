@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
 import pytest
 
 from pagellm.core.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
@@ -233,10 +236,15 @@ def test_hashes_are_chained_and_deterministic() -> None:
     assert isinstance(h1, bytes) and len(h1) == 32
     assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(None, [5, 6])
     assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
-    assert hash_block_tokens(None, [1], ("salt", "a")) != hash_block_tokens(None, [1])
-    assert hash_block_tokens(None, [1], ("salt", "a")) != hash_block_tokens(
-        None, [1], ("salt", "b")
-    )
+
+
+def test_block_hash_is_sha256_of_parent_count_and_tokens_only() -> None:
+    # The whole encoding, spelled out: a change to it (or an input added to it) shows here.
+    tokens = [1, 2, 70000]
+    expected = hashlib.sha256(NONE_HASH)
+    expected.update((3).to_bytes(4, "little"))
+    expected.update(array("q", tokens).tobytes())
+    assert hash_block_tokens(None, tokens) == expected.digest()
 
 
 def test_request_block_hasher_hashes_only_new_full_blocks() -> None:

@@ -198,3 +198,12 @@ def test_invariants_catch_ref_count_mismatch() -> None:
     kv.req_to_blocks["a"][0].ref_cnt += 1
     with pytest.raises(AssertionError, match="held by 1"):
         kv.check_invariants()
+
+
+def test_cdiv_is_ceiling_division_for_ints_and_tensors() -> None:
+    import torch
+
+    from pagellm.utils import cdiv
+
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert cdiv(torch.tensor([0, 3, 4, 5]), 4).tolist() == [0, 1, 1, 2]

@@ -593,3 +593,8 @@ def test_random_workload_with_aborts(policy: str, chunked: bool) -> None:
         assert tokens[rid] == [50 + (i * 7 + len(rid)) % 11 for i in range(max_tokens[rid])]
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+def test_a_request_without_max_tokens_is_refused_not_given_one_token() -> None:
+    with pytest.raises(ValueError, match="'r' reached the engine core without max_tokens"):
+        Request("r", [1, 2, 3], SamplingParams(max_tokens=None))

@@ -132,13 +132,13 @@ def test_eos_is_in_token_ids_but_not_in_text(tokenizer: Any, text_ids: list[int]
 
 
 def add_parent(
-    processor: OutputProcessor, params: SamplingParams, queue: RequestOutputCollector | None
+    processor: OutputProcessor, params: SamplingParams, collector: RequestOutputCollector | None
 ) -> list[str]:
     parent = ParentRequest("p", params)
     child_ids = []
     for index, (child_id, child_params) in enumerate(parent.make_child_requests()):
         request = EngineCoreRequest(child_id, [1], child_params, 1000.0)
-        processor.add_request(request, "hi", parent, index, queue)
+        processor.add_request(request, "hi", parent, index, collector)
         child_ids.append(child_id)
     return child_ids
 
@@ -185,17 +185,19 @@ def test_n2_delta_streams_each_child(tokenizer: Any, text_ids: list[int]) -> Non
 
 async def test_abort_with_parent_id_aborts_children(tokenizer: Any, text_ids: list[int]) -> None:
     processor = OutputProcessor(tokenizer, log_stats=False)
-    queue = RequestOutputCollector(DELTA, "p")
-    add_parent(processor, SamplingParams(n=2, output_kind=DELTA), queue)
+    collector = RequestOutputCollector(DELTA, "p")
+    add_parent(processor, SamplingParams(n=2, output_kind=DELTA), collector)
     processor.process_outputs([EngineCoreOutput("0_p", text_ids[:1])])
-    assert (await queue.get()).outputs[0].text == "Hello"
+    assert (await collector.get()).outputs[0].text == "Hello"
+    assert processor.has_request("p") and processor.has_request("1_p")
     assert sorted(processor.abort_requests(["p"])) == ["0_p", "1_p"]
     assert not processor.has_unfinished_requests() and not processor.parent_requests
-    final = await queue.get()
+    assert not processor.has_request("p") and not processor.has_request("0_p")
+    final = await collector.get()
     assert final.finished and {c.finish_reason for c in final.outputs} == {"abort"}
     # Late outputs of aborted requests are ignored.
     late = processor.process_outputs([EngineCoreOutput("1_p", text_ids[:1])])
-    assert late.request_outputs == [] and queue.get_nowait() is None
+    assert late.request_outputs == [] and collector.get_nowait() is None
     assert processor.abort_requests(["p", "unknown"]) == []
 
 
@@ -203,16 +205,16 @@ async def test_collector_merges_deltas_when_consumer_lags(
     tokenizer: Any, text_ids: list[int]
 ) -> None:
     processor = OutputProcessor(tokenizer, log_stats=False)
-    queue = RequestOutputCollector(DELTA, "a")
-    processor.add_request(make_request("a", [1], output_kind=DELTA), None, queue=queue)
+    collector = RequestOutputCollector(DELTA, "a")
+    processor.add_request(make_request("a", [1], output_kind=DELTA), None, collector=collector)
     outs = step_outputs("a", text_ids)
     processor.process_outputs(outs[:3])  # three steps before the consumer wakes up
-    first = await queue.get()
+    first = await collector.get()
     assert first.outputs[0].token_ids == text_ids[:3]
     assert first.outputs[0].text == tokenizer.decode(text_ids[:3])
-    assert queue.get_nowait() is None
+    assert collector.get_nowait() is None
     processor.process_outputs(outs[3:])
-    rest = await queue.get()
+    rest = await collector.get()
     assert rest.finished and first.outputs[0].text + rest.outputs[0].text == TEXT
 
 
@@ -221,26 +223,26 @@ async def test_collector_cumulative_replaces_and_raises_errors() -> None:
         completion = CompletionOutput(0, text, [], None, None)
         return RequestOutput("a", None, [1], None, [completion], finished)
 
-    queue = RequestOutputCollector(CUMULATIVE, "a")
-    queue.put(output("a"))
-    queue.put(output("ab", finished=True))
-    got = await queue.get()
+    collector = RequestOutputCollector(CUMULATIVE, "a")
+    collector.put(output("a"))
+    collector.put(output("ab", finished=True))
+    got = await collector.get()
     assert got.outputs[0].text == "ab" and got.finished
-    queue.put(RuntimeError("engine died"))
-    queue.put(output("late"))
+    collector.put(RuntimeError("engine died"))
+    collector.put(output("late"))
     with pytest.raises(RuntimeError, match="engine died"):
-        await queue.get()
+        await collector.get()
 
 
 def test_propagate_error_reaches_every_queue() -> None:
     processor = OutputProcessor(None, log_stats=False)
-    queues = [RequestOutputCollector(DELTA, rid) for rid in ("a", "b")]
-    for rid, queue in zip(("a", "b"), queues):
-        processor.add_request(make_request(rid, [1]), None, queue=queue)
+    collectors = [RequestOutputCollector(DELTA, rid) for rid in ("a", "b")]
+    for rid, collector in zip(("a", "b"), collectors):
+        processor.add_request(make_request(rid, [1]), None, collector=collector)
     processor.propagate_error(ValueError("boom"))
-    for queue in queues:
+    for collector in collectors:
         with pytest.raises(ValueError):
-            queue.get_nowait()
+            collector.get_nowait()
 
 
 def lp_lists(token_ids: list[int], logprob: float) -> LogprobsLists:

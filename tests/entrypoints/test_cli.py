@@ -65,3 +65,11 @@ def test_swap_space_is_accepted_with_a_deprecation_warning() -> None:
         warnings.simplefilter("always")
         EngineArgs(swap_space=4)
     assert any(issubclass(w.category, DeprecationWarning) and "swap_space" in str(w.message) for w in caught)
+
+
+def test_a_subcommand_module_that_fails_to_import_is_an_error(monkeypatch) -> None:
+    from pagellm.entrypoints.cli import main as cli_main
+
+    monkeypatch.setitem(cli_main._SUBCOMMANDS, "missing", "pagellm.entrypoints.cli.no_such_module")
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        cli_main.build_parser()

@@ -1,6 +1,6 @@
 """Chained content hashes of full KV blocks, the keys of the prefix cache.
 
-In: a request's token ids (and optional extra keys). Out: one 32-byte sha256 digest per
+In: a request's token ids. Out: one 32-byte sha256 digest per
 full block, each covering its parent's digest, so equal hashes mean equal prefixes.
 """
 
@@ -9,12 +9,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pagellm.core.request import Request
 
-# A block's identity in the prefix cache: sha256 digest of (parent, tokens, extra keys).
+# A block's identity in the prefix cache: sha256 digest of (parent, tokens).
 BlockHash = bytes
 
 # Stands in for the parent of a request's first block. Fixed, so hashes are reproducible
@@ -22,20 +22,13 @@ BlockHash = bytes
 NONE_HASH: BlockHash = hashlib.sha256(b"pagellm-prefix-cache-root").digest()
 
 
-def hash_block_tokens(
-    parent_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[Any, ...] | None = None,
-) -> BlockHash:
-    """sha256 over: parent digest (32 B) | token count (4 B) | token ids (int64 each) |
-    repr(extra_keys). Every field before the last has a known width, so the encoding is
-    unambiguous; extra keys are tuples of str/int, whose repr is deterministic.
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """sha256 over: parent digest (32 B) | token count (4 B) | token ids (int64 each).
+    Every field has a known width, so the encoding is unambiguous.
     """
     h = hashlib.sha256(parent_hash if parent_hash is not None else NONE_HASH)
     h.update(len(token_ids).to_bytes(4, "little"))
     h.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
     return h.digest()
 
 

@@ -10,10 +10,7 @@ from dataclasses import dataclass
 
 from pagellm.core.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
+from pagellm.utils import cdiv
 
 
 @dataclass

@@ -24,11 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         if module_name in seen:
             continue
         seen.add(module_name)
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue  # a subcommand whose module is not written yet
-        module.add_parsers(sub)
+        importlib.import_module(module_name).add_parsers(sub)
     return parser
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pagellm.entrypoints.chat_utils import CHAT_ROLES
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20
@@ -155,8 +156,8 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         for i, msg in enumerate(self.messages):
             role = msg.get("role")
-            if role not in ("system", "user", "assistant", "tool", "developer"):
-                raise ValueError(f"messages[{i}].role must be one of system, user, assistant, tool, developer; got {role!r}")
+            if role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
         return self
 
     @property

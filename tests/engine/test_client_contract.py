@@ -1,0 +1,52 @@
+"""The EngineCoreClient contract, without starting an engine: the base class is abstract,
+every client keeps its signatures, make_client picks by mode, and the frontend reads every
+rank's ready response."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from pagellm.core.protocol import EngineCoreReadyResponse
+from pagellm.engine.core_client import (
+    AsyncMPClient,
+    DPAsyncMPClient,
+    DPLBAsyncMPClient,
+    EngineCoreClient,
+    InprocClient,
+    MPClient,
+    SyncMPClient,
+    merge_ready_responses,
+)
+
+CLIENTS = [InprocClient, MPClient, SyncMPClient, AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient]
+API = [
+    name for name, member in vars(EngineCoreClient).items()
+    if callable(member) and not name.startswith("_") and name not in ("make_client", "make_async_mp_client")
+]
+
+
+def test_the_base_client_is_abstract() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        EngineCoreClient()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize("client", CLIENTS, ids=lambda c: c.__name__)
+def test_every_client_keeps_the_base_signatures(client: type[EngineCoreClient]) -> None:
+    assert set(API) >= {"shutdown", "get_output", "add_request", "call_utility_async"}
+    for name in API:
+        base, sub = getattr(EngineCoreClient, name), getattr(client, name)
+        assert inspect.signature(sub) == inspect.signature(base), f"{client.__name__}.{name}"
+        assert inspect.iscoroutinefunction(sub) == inspect.iscoroutinefunction(base), name
+
+
+def test_async_mode_needs_multiprocessing() -> None:
+    with pytest.raises(ValueError, match="own process"):
+        EngineCoreClient.make_client(False, True, None)  # type: ignore[arg-type]
+
+
+def test_every_ranks_ready_response_is_read() -> None:
+    readies = {0: EngineCoreReadyResponse(40), 1: EngineCoreReadyResponse(31), 2: EngineCoreReadyResponse(35)}
+    assert merge_ready_responses(readies) == EngineCoreReadyResponse(31)
+    assert merge_ready_responses({0: EngineCoreReadyResponse(7)}) == EngineCoreReadyResponse(7)
