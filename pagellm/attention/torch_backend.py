@@ -29,6 +29,7 @@ from pagellm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from pagellm.utils import cdiv
 
 
 @dataclass
@@ -159,7 +160,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         # With a window, blocks wholly before it are skipped: request b's padded row
         # starts at its block first[b] (0 without a window).
         first = [max(0, n - window) // bs if window else 0 for n in seq_lens]
-        req_blocks = [-(-n // bs) - f for n, f in zip(seq_lens, first)]  # blocks read
+        req_blocks = [cdiv(n, bs) - f for n, f in zip(seq_lens, first)]  # blocks read
         num_blocks = max(req_blocks)
         req_idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
         table = common.block_table.index_select(0, req_idx)
@@ -193,7 +194,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             return PrefillChunk(start, end, 0, seq_len, None, None)
         block_ids = None
         if ctx_len > 0:
-            num_blocks = -(-seq_len // self.block_size)
+            num_blocks = cdiv(seq_len, self.block_size)
             block_ids = common.block_table[i, :num_blocks]
         # Query row r sits at position ctx_len + r and sees keys 0 .. ctx_len + r
         # (with a window W, only the last W of them).

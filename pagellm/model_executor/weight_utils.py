@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagellm.utils import cdiv
+
 logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> HF architectures name (and config model_type).
@@ -339,7 +341,7 @@ class GGUFIndex:
                 infos.append((name, dims, qtype, offset))
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not a valid GGUF file: {e}") from e
-        start = -(-pos // alignment) * alignment
+        start = cdiv(pos, alignment) * alignment
         self.tensors: list[GGUFTensorInfo] = []
         for name, dims, qtype, offset in infos:
             block, size = gguf.GGML_QUANT_SIZES[qtype]

@@ -143,9 +143,11 @@ class InputBatch:
             or (self.repetition[rows] != 1).any()
         )
         num_logprobs = self.num_logprobs[rows]
-        max_num_logprobs = int(num_logprobs.max()) if (num_logprobs != NO_LOGPROBS).any() else None
-        if max_num_logprobs == ALL_LOGPROBS:
+        max_num_logprobs = None
+        if (num_logprobs == ALL_LOGPROBS).any():  # one row wants the vocabulary: every row's k fits in it
             max_num_logprobs = self.vocab_size
+        elif (num_logprobs != NO_LOGPROBS).any():
+            max_num_logprobs = int(num_logprobs.max())
         prompt_ids = None
         if not no_penalties:
             max_prompt = int(self.num_prompt_tokens[rows].max())

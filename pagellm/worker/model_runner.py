@@ -26,7 +26,9 @@ from pagellm.core.sched.output import SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
-from pagellm.worker.input_batch import CachedRequestState, InputBatch
+from pagellm.sampling_params import ALL_LOGPROBS
+from pagellm.utils import cdiv
+from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
 
@@ -101,7 +103,7 @@ class ModelRunner:
         else:
             budget = min(int(psutil.virtual_memory().available * cc.gpu_memory_utilization * 0.5), _CPU_KV_CAP_BYTES)
         # More blocks than max_num_seqs full-length sequences can never be used.
-        useful = self.config.scheduler_config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        useful = self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size) + 1
         num_blocks = min(budget // self.kv_bytes_per_block(), useful)
         if num_blocks < 2:
             raise ValueError(
@@ -125,7 +127,7 @@ class ModelRunner:
         ]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
         self._zero_blocks([0])
-        max_blocks = -(-self.max_model_len // self.block_size)
+        max_blocks = cdiv(self.max_model_len, self.block_size)
         self.input_batch = InputBatch(
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -227,7 +229,7 @@ class ModelRunner:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
         seq_lens = computed + num_sched
-        max_blocks = int(-(-seq_lens.max() // self.block_size))
+        max_blocks = int(cdiv(seq_lens.max(), self.block_size))
         # A request samples only once its scheduled tokens reach the end of what it has
         # (mid-prompt chunks do not).
         sample_mask = seq_lens >= batch.num_tokens[rows]
@@ -280,8 +282,8 @@ class ModelRunner:
             sampled[i] = [tok]
             batch.append_token(row, tok)
             k = batch.num_logprobs[row]
-            if lp_lists is not None and k > -2:
-                n = lp_lists.logprob_token_ids[j].__len__() if k == -1 else 1 + k
+            if lp_lists is not None and k != NO_LOGPROBS:
+                n = len(lp_lists.logprob_token_ids[j]) if k == ALL_LOGPROBS else 1 + k
                 out.logprobs[req_ids[i]] = LogprobsLists(
                     [lp_lists.logprob_token_ids[j][:n]], [lp_lists.logprobs[j][:n]], [lp_lists.ranks[j]]
                 )

@@ -34,7 +34,9 @@ def test_the_sentinels_are_distinct_and_outside_the_counts() -> None:
 
 @pytest.mark.parametrize(
     ("logprobs", "expected"),
-    [((None, None), None), ((None, 3), 3), ((0, None), 0), ((ALL_LOGPROBS, None), VOCAB)],
+    [((None, None), None), ((None, 3), 3), ((0, None), 0), ((ALL_LOGPROBS, None), VOCAB),
+     # a whole-vocabulary row beside a top-k row: the vocabulary, not k (was k)
+     ((ALL_LOGPROBS, 3), VOCAB), ((5, ALL_LOGPROBS, None), VOCAB)],
 )
 def test_max_num_logprobs_over_the_rows(logprobs: tuple, expected: int | None) -> None:
     batch = batch_with(*logprobs)
