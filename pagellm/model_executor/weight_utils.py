@@ -31,7 +31,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 # Tensor types we dequantize (gguf.quants covers them); anything else is refused by name.
 SUPPORTED_GGUF_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
 )  # fmt: skip
 
 _DEQUANT_SLAB = 1 << 20  # values dequantized per numpy call
@@ -202,12 +202,12 @@ def _gguf_hf_name(name: str) -> str | None:
     return f"{hf}.{suffix}" if hf else None
 
 
-def _undo_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+def llama_row_order(rows: int, n_head: int) -> np.ndarray:
     """llama.cpp's converter reorders each head's rows of q/k from HF's "rotate half"
-    layout (first half, second half) to interleaved pairs; this puts them back:
-    rows [head, pair, 2] -> [head, 2, pair]."""
-    pair = w.shape[0] // n_head // 2
-    return w.reshape(n_head, pair, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    layout (first half, second half) to interleaved pairs; `w[llama_row_order(...)]`
+    puts them back: rows [head, pair, 2] -> [head, 2, pair]."""
+    pair = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, pair, 2).swapaxes(1, 2).reshape(-1)
 
 
 def dequantize_gguf_tensor(path: str, tensor: Any) -> np.ndarray:
@@ -244,8 +244,9 @@ class GGUFTensorInfo:
     (shaped as gguf's GGUFReader shapes it: float types [rows, cols] of their dtype,
     block types [rows, bytes per row] uint8)."""
 
-    def __init__(self, name: str, dims: list[int], qtype: Any, data_offset: int,
+    def __init__(self, path: str, name: str, dims: list[int], qtype: Any, data_offset: int,
                  n_bytes: int, mapping: np.ndarray) -> None:
+        self.path = path
         self.name = name
         self.shape = np.array(dims, dtype=np.uint64)  # GGUF order: [cols, rows]
         self.tensor_type = qtype
@@ -259,7 +260,7 @@ class GGUFTensorInfo:
 
         raw = self._mapping[self.data_offset : self.data_offset + self.n_bytes]
         if raw.nbytes != self.n_bytes:
-            raise ValueError(f"tensor {self.name!r} is cut short (truncated file?)")
+            raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
         dims = [int(d) for d in reversed(self.shape)]
         float_dtypes = {gguf.GGMLQuantizationType.F32: np.float32,
                         gguf.GGMLQuantizationType.F16: np.float16}
@@ -346,7 +347,7 @@ class GGUFIndex:
         for name, dims, qtype, offset in infos:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             n_bytes = int(np.prod(dims)) // block * size
-            self.tensors.append(GGUFTensorInfo(name, dims, qtype, start + offset, n_bytes, mapping))
+            self.tensors.append(GGUFTensorInfo(path, name, dims, qtype, start + offset, n_bytes, mapping))
 
 
 def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | None]]:
@@ -375,7 +376,7 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
         w = dequantize_gguf_tensor(path, tensor)
         if permuted is not None:
-            w = _undo_llama_permute(w, permuted)
+            w = w[llama_row_order(w.shape[0], permuted)]
         if not w.flags.writeable:  # F32/F16 tensors are views of the read-only mapping
             w = w.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
@@ -390,49 +391,35 @@ class GGUFTensor:
     def __init__(self, path: str, tensor: Any, permuted_heads: int | None) -> None:
         self.path = path
         self.name = tensor.name
+        self._tensor = tensor
         self.qtype = int(tensor.tensor_type)
         self.type_name = tensor.tensor_type.name
         self.cols, self.rows = (int(d) for d in tensor.shape)
         self.data: np.ndarray = tensor.data.reshape(self.rows, -1).view(np.uint8)
         self.row_bytes = self.data.shape[1]
         self.file_offset = int(tensor.data_offset)
-        self.row_order: np.ndarray | None = None
-        if permuted_heads is not None:
-            pair = self.rows // permuted_heads // 2
-            self.row_order = (np.arange(self.rows).reshape(permuted_heads, pair, 2)
-                              .swapaxes(1, 2).reshape(-1))
+        self.row_order = None if permuted_heads is None else llama_row_order(self.rows, permuted_heads)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
-    def read_rows(self, out: np.ndarray | None = None) -> np.ndarray:
-        """The rows as an owned [rows, row_bytes] uint8 array (into `out` if given), read
-        from the file rather than the mapping, so its pages are not resident twice."""
+    def read_rows(self) -> np.ndarray:
+        """The rows as an owned [rows, row_bytes] uint8 array, read from the file rather
+        than the mapping, so its pages are not resident twice."""
         raw = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.file_offset)
             if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
                 raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
-        if self.row_order is not None:
-            raw = raw[self.row_order]
-        if out is None:
-            return raw
-        out[...] = raw
-        return out
+        return raw if self.row_order is None else raw[self.row_order]
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols] in HF row order (gguf's reference dequantization)."""
-        w = _dequantize(self.data, _ggml_type(self.qtype)).reshape(self.rows, self.cols)
+        w = dequantize_gguf_tensor(self.path, self._tensor)
         if self.row_order is not None:
             w = w[self.row_order]
         return np.array(w, dtype=np.float32, copy=True)
-
-
-def _ggml_type(qtype: int) -> Any:
-    import gguf
-
-    return gguf.GGMLQuantizationType(qtype)
 
 
 def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, Any]]:
@@ -440,17 +427,11 @@ def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple
     `GGUFTensor` (still in the file's blocks), 1-D ones (norms) as float32 tensors."""
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
         if len(tensor.shape) == 2 and int(tensor.shape[1]) > 1:
-            _check_in_file(path, tensor)
             yield hf_name, GGUFTensor(path, tensor, permuted)
         else:
             w = dequantize_gguf_tensor(path, tensor)
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
-
-def _check_in_file(path: str, tensor: Any) -> None:
-    end = int(tensor.data_offset) + int(tensor.n_bytes)
-    if end > os.path.getsize(path):
-        raise ValueError(f"{path}: tensor {tensor.name!r} is cut short (truncated file?)")
 
 
 # ------------------------------------------------------------------------ safetensors
