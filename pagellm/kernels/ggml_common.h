@@ -9,13 +9,37 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PG_NO_SIMD)
 #include <immintrin.h>
 #define PG_AVX2 1
+#endif
 
+/* The float16 at p as a float (F16C where built with it, else by its bits). */
 static inline float pg_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#ifdef PG_AVX2
     return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
 }
 
+#ifdef PG_AVX2
 /* 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then high. */
 static inline __m256i pg_nibbles_32(const uint8_t *qs) {
     __m128i q = _mm_loadu_si128((const __m128i *)qs);

@@ -28,37 +28,6 @@ enum {
 
 /* ------------------------------------------------------------------ scalars */
 
-static inline float fp16_to_fp32(uint16_t h) {
-#ifdef PG_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline float load_f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return fp16_to_fp32(h);
-}
-
 static inline float bf16_to_fp32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float f;
@@ -114,7 +83,7 @@ int pg_type_supported(int type) {
 
 PORTABLE deq32_q4_0(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + g * 18, *qs = b + 2;
-    float d = load_f16(b);
+    float d = pg_f16(b);
     for (int j = 0; j < 16; j++) {
         y[j] = ((qs[j] & 0x0F) - 8) * d;
         y[j + 16] = ((qs[j] >> 4) - 8) * d;
@@ -123,7 +92,7 @@ PORTABLE deq32_q4_0(const uint8_t *row, int64_t g, float *y) {
 
 PORTABLE deq32_q4_1(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + g * 20, *qs = b + 4;
-    float d = load_f16(b), m = load_f16(b + 2);
+    float d = pg_f16(b), m = pg_f16(b + 2);
     for (int j = 0; j < 16; j++) {
         y[j] = (qs[j] & 0x0F) * d + m;
         y[j + 16] = (qs[j] >> 4) * d + m;
@@ -132,7 +101,7 @@ PORTABLE deq32_q4_1(const uint8_t *row, int64_t g, float *y) {
 
 PORTABLE deq32_q5_0(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + g * 22, *qs = b + 6;
-    float d = load_f16(b);
+    float d = pg_f16(b);
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     for (int j = 0; j < 16; j++) {
@@ -145,7 +114,7 @@ PORTABLE deq32_q5_0(const uint8_t *row, int64_t g, float *y) {
 
 PORTABLE deq32_q5_1(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + g * 24, *qs = b + 8;
-    float d = load_f16(b), m = load_f16(b + 2);
+    float d = pg_f16(b), m = pg_f16(b + 2);
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     for (int j = 0; j < 16; j++) {
@@ -159,14 +128,14 @@ PORTABLE deq32_q5_1(const uint8_t *row, int64_t g, float *y) {
 PORTABLE deq32_q8_0(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + g * 34;
     const int8_t *qs = (const int8_t *)(b + 2);
-    float d = load_f16(b);
+    float d = pg_f16(b);
     for (int j = 0; j < 32; j++) y[j] = qs[j] * d;
 }
 
 PORTABLE deq32_q2_k(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + (g >> 3) * 84, *scales = b, *qs = b + 16;
     int s = (int)(g & 7), h = s >> 2, j = s & 3, shift = 2 * j;
-    float d = load_f16(b + 80), dmin = load_f16(b + 82);
+    float d = pg_f16(b + 80), dmin = pg_f16(b + 82);
     const uint8_t *q = qs + 32 * h;
     for (int half = 0; half < 2; half++) {
         uint8_t sc = scales[8 * h + 2 * j + half];
@@ -178,7 +147,7 @@ PORTABLE deq32_q2_k(const uint8_t *row, int64_t g, float *y) {
 PORTABLE deq32_q3_k(const uint8_t *row, int64_t g, float *y) {
     const uint8_t *b = row + (g >> 3) * 110, *hm = b, *qs = b + 32;
     int s = (int)(g & 7), h = s >> 2, j = s & 3, shift = 2 * j;
-    float d_all = load_f16(b + 108);
+    float d_all = pg_f16(b + 108);
     uint32_t aux[4];
     const uint32_t kmask1 = 0x03030303, kmask2 = 0x0f0f0f0f;
     memcpy(aux, b + 96, 12);
@@ -204,7 +173,7 @@ PORTABLE deq32_q4_k(const uint8_t *row, int64_t g, float *y) {
     int s = (int)(g & 7);
     uint8_t sc, m;
     scale_min_k4(s, b + 4, &sc, &m);
-    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    float d = pg_f16(b) * sc, mn = pg_f16(b + 2) * m;
     if (s & 1) {
         for (int l = 0; l < 32; l++) y[l] = d * (q[l] >> 4) - mn;
     } else {
@@ -217,7 +186,7 @@ PORTABLE deq32_q5_k(const uint8_t *row, int64_t g, float *y) {
     int s = (int)(g & 7);
     uint8_t sc, m;
     scale_min_k4(s, b + 4, &sc, &m);
-    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    float d = pg_f16(b) * sc, mn = pg_f16(b + 2) * m;
     for (int l = 0; l < 32; l++) {
         int v = ((s & 1) ? (ql[l] >> 4) : (ql[l] & 0xF)) + (((qh[l] >> s) & 1) ? 16 : 0);
         y[l] = d * v - mn;
@@ -229,7 +198,7 @@ PORTABLE deq32_q6_k(const uint8_t *row, int64_t g, float *y) {
     int s = (int)(g & 7), h = s >> 2, t = s & 3;
     const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
     const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
-    float d = load_f16(b + 208);
+    float d = pg_f16(b + 208);
     for (int l = 0; l < 32; l++) {
         int lo = (t >= 2) ? (ql[l] >> 4) : (ql[l] & 0xF);
         int q = (lo | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
@@ -244,7 +213,7 @@ PORTABLE deq32_iq4_xs(const uint8_t *row, int64_t g, float *y) {
     memcpy(&scales_h, b + 2, 2);
     const uint8_t *scales_l = b + 4, *qs = b + 8 + 16 * ib;
     int ls = ((scales_l[ib / 2] >> 4 * (ib % 2)) & 0xf) | (((scales_h >> 2 * ib) & 3) << 4);
-    float dl = load_f16(b) * (ls - 32);
+    float dl = pg_f16(b) * (ls - 32);
     for (int j = 0; j < 16; j++) {
         y[j] = dl * kvalues_iq4nl[qs[j] & 0xf];
         y[j + 16] = dl * kvalues_iq4nl[qs[j] >> 4];
@@ -278,13 +247,13 @@ static inline void i8x32_scaled(__m256i q, __m256 d0, __m256 d1, __m256 *w) {
 static inline void avx_q4_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 18;
     __m256i q = _mm256_sub_epi8(pg_nibbles_32(b + 2), _mm256_set1_epi8(8));
-    __m256 d = _mm256_set1_ps(load_f16(b));
+    __m256 d = _mm256_set1_ps(pg_f16(b));
     i8x32_scaled(q, d, d, w);
 }
 
 static inline void avx_q4_1(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 20;
-    u8x32_affine(pg_nibbles_32(b + 4), _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
+    u8x32_affine(pg_nibbles_32(b + 4), _mm256_set1_ps(pg_f16(b)), _mm256_set1_ps(pg_f16(b + 2)), w);
 }
 
 static inline void avx_q5_0(const uint8_t *row, int64_t g, __m256 *w) {
@@ -292,7 +261,7 @@ static inline void avx_q5_0(const uint8_t *row, int64_t g, __m256 *w) {
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     __m256i q = _mm256_or_si256(pg_nibbles_32(b + 6), pg_bits_to_0x10(qh));
-    __m256 d = _mm256_set1_ps(load_f16(b));
+    __m256 d = _mm256_set1_ps(pg_f16(b));
     i8x32_scaled(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), d, d, w);
 }
 
@@ -301,12 +270,12 @@ static inline void avx_q5_1(const uint8_t *row, int64_t g, __m256 *w) {
     uint32_t qh;
     memcpy(&qh, b + 4, 4);
     __m256i q = _mm256_or_si256(pg_nibbles_32(b + 8), pg_bits_to_0x10(qh));
-    u8x32_affine(q, _mm256_set1_ps(load_f16(b)), _mm256_set1_ps(load_f16(b + 2)), w);
+    u8x32_affine(q, _mm256_set1_ps(pg_f16(b)), _mm256_set1_ps(pg_f16(b + 2)), w);
 }
 
 static inline void avx_q8_0(const uint8_t *row, int64_t g, __m256 *w) {
     const uint8_t *b = row + g * 34;
-    __m256 d = _mm256_set1_ps(load_f16(b));
+    __m256 d = _mm256_set1_ps(pg_f16(b));
     i8x32_scaled(_mm256_loadu_si256((const __m256i *)(b + 2)), d, d, w);
 }
 
@@ -318,7 +287,7 @@ static inline void avx_q4_k(const uint8_t *row, int64_t g, __m256 *w) {
     __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (s >> 1)));
     if (s & 1) q = _mm256_srli_epi16(q, 4);
     q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    float d = pg_f16(b) * sc, mn = pg_f16(b + 2) * m;
     u8x32_affine(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), w);
 }
 
@@ -333,7 +302,7 @@ static inline void avx_q5_k(const uint8_t *row, int64_t g, __m256 *w) {
     __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
     qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1));
     q = _mm256_or_si256(q, _mm256_slli_epi16(qh, 4));
-    float d = load_f16(b) * sc, mn = load_f16(b + 2) * m;
+    float d = pg_f16(b) * sc, mn = pg_f16(b + 2) * m;
     u8x32_affine(q, _mm256_set1_ps(d), _mm256_set1_ps(-mn), w);
 }
 
@@ -347,7 +316,7 @@ static inline void avx_q6_k(const uint8_t *row, int64_t g, __m256 *w) {
     qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
     __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
     const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
-    float d = load_f16(b + 208);
+    float d = pg_f16(b + 208);
     i8x32_scaled(q, _mm256_set1_ps(d * sc[0]), _mm256_set1_ps(d * sc[1]), w);
 }
 
@@ -403,7 +372,7 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
             for (; k + 8 <= K; k += 8)
                 _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))));
 #endif
-            for (; k < K; k++) out[k] = load_f16(row + 2 * k);
+            for (; k < K; k++) out[k] = pg_f16(row + 2 * k);
             return;
         }
         case T_BF16: {
@@ -446,11 +415,7 @@ static inline float dot1(const float *a, const float *b, int64_t K) {
         s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 24), _mm256_loadu_ps(b + k + 24), s3);
     }
     for (; k + 8 <= K; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-    __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    tail = _mm_cvtss_f32(h);
+    tail = pg_hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 #endif
     for (; k < K; k++) tail += a[k] * b[k];
     return tail;
