@@ -359,3 +359,16 @@ def test_kernels_share_torchs_openmp_runtime() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     runtimes = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert len(runtimes) == 1 and runtimes[0].endswith(os.path.join("torch", "lib", "libgomp.so.1")), runtimes
+
+
+def test_q8_switch_is_checked_before_loading_and_said_ignored_off_gguf(
+        q4_k_m_file: str, tiny_model: Any, monkeypatch: pytest.MonkeyPatch, logs: Any) -> None:
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of float32, q8"):
+        resolve_quantization(None, q4_k_m_file, "cpu")
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
+    with logs.at_level(logging.WARNING, logger="pagellm"):
+        assert resolve_quantization("none", q4_k_m_file, "cpu") is None
+        assert resolve_quantization(None, q4_k_m_file, "cpu") == "gguf"
+    assert [r.getMessage() for r in logs.records] == [
+        f"PAGELLM_GGUF_ACTIVATIONS=q8 is ignored: {q4_k_m_file} does not run on GGUF blocks"]

@@ -28,7 +28,22 @@ QUANTIZATION_METHODS = ("gguf",)
 def resolve_quantization(requested: str | None, model_path: str, device: str) -> str | None:
     """The method a model runs with: None (weights in the model dtype) or a name from
     QUANTIZATION_METHODS. `requested` None detects it from the checkpoint ('gguf' for a
-    .gguf file on CPU); 'none' forces unquantized weights (GGUF files dequantized at load)."""
+    .gguf file on CPU); 'none' forces unquantized weights (GGUF files dequantized at load).
+    PAGELLM_GGUF_ACTIVATIONS is checked here too, before any model loads, and said to be
+    ignored where the model does not run on GGUF blocks."""
+    from pagellm import envs
+    from pagellm.model_executor.layers.quantization.gguf import check_activations
+
+    activations = envs.PAGELLM_GGUF_ACTIVATIONS
+    check_activations(activations)
+    method = _resolve_method(requested, model_path, device)
+    if method != "gguf" and activations != "float32":
+        logger.warning("PAGELLM_GGUF_ACTIVATIONS=%s is ignored: %s does not run on GGUF blocks",
+                       activations, model_path)
+    return method
+
+
+def _resolve_method(requested: str | None, model_path: str, device: str) -> str | None:
     from pagellm.model_executor import weight_utils
 
     is_gguf = weight_utils.is_gguf(model_path)

@@ -59,16 +59,21 @@ class WeightGroup:
 ACTIVATIONS = ("float32", "q8")
 
 
+def check_activations(activations: str) -> None:
+    """Refuse a PAGELLM_GGUF_ACTIVATIONS value other than ACTIVATIONS, by name."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(
+            f"PAGELLM_GGUF_ACTIVATIONS={activations!r}: choose one of {', '.join(ACTIVATIONS)}"
+        )
+
+
 class GGUFConfig(QuantizationConfig):
     """Linears and the embedding of a GGUF file keep the file's block types.
     `activations` "q8" (opt-in, PAGELLM_GGUF_ACTIVATIONS) rounds decode-sized inputs to
     int8 per 32 values and multiplies in integers, as llama.cpp does."""
 
     def __init__(self, model_path: str, activations: str = "float32") -> None:
-        if activations not in ACTIVATIONS:
-            raise ValueError(
-                f"PAGELLM_GGUF_ACTIVATIONS={activations!r}: choose one of {', '.join(ACTIVATIONS)}"
-            )
+        check_activations(activations)
         self.model_path = model_path
         self.activations = activations
 
