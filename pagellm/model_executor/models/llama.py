@@ -242,11 +242,10 @@ class LlamaForCausalLM(nn.Module):
 def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
     """Load one checkpoint tensor; returns the name it landed in."""
     module_name, _, param_name = name.rpartition(".")
-    shard, fused_from = 0, None
+    shard = 0
     for fused, part, index in STACKED_PARAMS:
         if module_name.endswith(f".{part}"):
-            module_name = module_name[: -len(part)] + fused
-            shard, fused_from = index, part
+            module_name, shard = module_name[: -len(part)] + fused, index
             break
     try:
         module = model.get_submodule(module_name)
@@ -254,13 +253,16 @@ def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
         raise KeyError(f"unexpected checkpoint tensor {name!r}") from None
     loader = getattr(module, "weight_loader", None)
     if loader is not None:
-        if param_name not in module.expected_weights() and f"{param_name}#{shard}" not in module.expected_weights():
+        # the name the layer expects: `weight` for a plain layer, `weight#i` for part i
+        expected = module.expected_weights()
+        target = next((t for t in (param_name, f"{param_name}#{shard}") if t in expected), None)
+        if target is None:
             raise KeyError(f"unexpected checkpoint tensor {name!r}")
         try:
             loader(param_name, shard, tensor)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        return f"{module_name}.{param_name}" + (f"#{shard}" if fused_from else "")
+        return f"{module_name}.{target}"
     param = getattr(module, param_name, None)
     if not isinstance(param, nn.Parameter):
         raise KeyError(f"unexpected checkpoint tensor {name!r}")
