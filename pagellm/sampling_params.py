@@ -7,6 +7,7 @@ pickle. Validation runs in __post_init__ and names the offending field and its r
 from __future__ import annotations
 
 import copy
+import json
 from enum import IntEnum
 from typing import Any
 
@@ -28,6 +29,56 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """Constrains a request's output to a JSON schema, a regex, one of several strings, a
+    grammar (EBNF/GBNF or Lark), any JSON object, or a structural tag; exactly one kind.
+
+    vLLM's fields. `backend` is filled by the frontend once it has validated the
+    constraint (the backend that accepted it), so the engine core compiles with the same.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag; got {', '.join(kinds) if kinds else 'none'}."
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string (a JSON schema serialized), for keys and backends."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and not isinstance(value, str):
+            return json.dumps(value, sort_keys=True)
+        if self.kind == "choice":
+            return json.dumps(value)
+        return "" if value is True else value
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
@@ -56,6 +107,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Derived (set by the input processor, carried to the engine core).
     eos_token_id: int | None = None
     all_stop_token_ids: list[int] = msgspec.field(default_factory=list)

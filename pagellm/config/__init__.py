@@ -125,6 +125,16 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"
+    """Grammar library for structured outputs: auto (xgrammar, falling back to guidance
+    where xgrammar refuses a constraint), xgrammar or guidance."""
+    reasoning_parser: str = ""
+    """Reasoning parser of the model (e.g. deepseek_r1, qwen3): a constraint applies only
+    after the reasoning ends."""
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     disable_log_stats: bool = False
     """Do not log periodic throughput statistics."""
@@ -142,6 +152,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = CompilationConfig()
     attention_config: AttentionConfig = AttentionConfig()
     observability_config: ObservabilityConfig = ObservabilityConfig()
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def with_data_parallel_rank(self, rank: int) -> EngineConfig:
         return dataclasses.replace(

@@ -22,6 +22,7 @@ from pagellm.core.protocol import EngineCoreOutputs, EngineCoreReadyResponse, En
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.logger import init_logger
+from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -41,10 +42,12 @@ class EngineCore:
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=num_blocks)
         )
+        self.structured_output_manager = StructuredOutputManager(self.config)
         self.scheduler = Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,
             log_stats=not config.observability_config.disable_log_stats,
+            structured_output_manager=self.structured_output_manager,
         )
         self.block_hasher = None
         if config.cache_config.enable_prefix_caching:
@@ -66,6 +69,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         if isinstance(request, EngineCoreRequest):
             request = self.preprocess_add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -82,6 +87,10 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.waiting_for_grammar:
+            # Nothing runs until a grammar is ready: wait for one instead of spinning (the
+            # compile thread needs the core), a few ms at a time so inputs are still read.
+            self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammar, 0.005)
         runner_output = self.model_runner.execute_model(scheduler_output)
         self.pending_aborts_hook()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -112,7 +121,7 @@ class EngineCore:
         return os.getpid()
 
     def shutdown(self) -> None:
-        pass
+        self.structured_output_manager.shutdown()
 
 
 def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:

@@ -21,10 +21,12 @@ from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagellm.core.kv_cache.hashing import BlockHash
+    from pagellm.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -83,6 +85,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.events: list[EngineCoreEvent] = []
+        # Set by the structured output manager when sampling_params.structured_outputs is.
+        self.structured_output_request: StructuredOutputRequest | None = None
 
         self._block_hasher = block_hasher
         self.block_hashes: list[BlockHash] = []

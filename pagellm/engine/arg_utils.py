@@ -30,6 +30,7 @@ from pagellm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
@@ -122,6 +123,13 @@ class EngineArgs:
     percent of a step (the linears, most of it, are already oneDNN kernels)."""
     enforce_eager: bool = False
     """Never use torch.compile."""
+    structured_outputs_config: Any = None
+    """Structured outputs settings: a dict (JSON on the command line) of
+    StructuredOutputsConfig fields, e.g. {"backend": "guidance"}. Backends: auto (xgrammar,
+    falling back to guidance where xgrammar refuses a constraint), xgrammar, guidance."""
+    reasoning_parser: str = ""
+    """Reasoning parser for the model's output (deepseek_r1, qwen3): the server returns the
+    reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
     disable_log_stats: bool = False
     """Do not log throughput statistics periodically."""
     trust_remote_code: bool = False
@@ -135,6 +143,9 @@ class EngineArgs:
                 "swap_space is deprecated and ignored by pagellm.", DeprecationWarning, stacklevel=3
             )
         self.compilation_config = normalize_config("compilation_config", self.compilation_config, CompilationConfig)
+        self.structured_outputs_config = normalize_config(
+            "structured_outputs_config", self.structured_outputs_config, StructuredOutputsConfig
+        )
 
     # -- CLI -------------------------------------------------------------------------
 
@@ -153,6 +164,8 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             elif f.name == "compilation_config":
                 group.add_argument(flag, "-O", type=_parse_compilation, default=None, help=help_text)
+            elif f.name == "structured_outputs_config":
+                group.add_argument(flag, type=_parse_json_object, default=None, help=help_text)
             elif f.name == "served_model_name":  # one or more, as in vLLM
                 group.add_argument(flag, nargs="+", default=default, help=help_text)
             elif f.name == "max_model_len":  # 4096, 4k, 32K, 1m
@@ -253,6 +266,10 @@ class EngineArgs:
             compilation_config=compilation,
             attention_config=AttentionConfig(backend=self.attention_backend),
             observability_config=ObservabilityConfig(disable_log_stats=self.disable_log_stats),
+            structured_outputs_config=dataclasses.replace(
+                self.structured_outputs_config,
+                reasoning_parser=self.reasoning_parser or self.structured_outputs_config.reasoning_parser,
+            ),
         )
 
     def _verify_args(self) -> None:
@@ -274,11 +291,26 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
+        self._verify_structured_outputs()
         if self.attention_backend not in available_attn_backends():
             raise ValueError(
                 f"attention_backend must be one of {', '.join(available_attn_backends())}; "
                 f"got {self.attention_backend!r}."
             )
+
+    def _verify_structured_outputs(self) -> None:
+        from pagellm.structured_output import BACKENDS
+
+        backend = self.structured_outputs_config.backend
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; got {backend!r}."
+            )
+        parser = self.reasoning_parser or self.structured_outputs_config.reasoning_parser
+        if parser:
+            from pagellm.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(parser)  # ValueError naming the accepted parsers
 
     def _resolve_device(self) -> str:
         if self.device == "auto":
@@ -349,6 +381,18 @@ def normalize_config(name: str, value: Any, cls: type) -> Any:
                 )
         return cls(**value)
     raise ValueError(f"Invalid '{name}' provided: expected an int, a dict or {cls.__name__}, got {value!r}.")
+
+
+def _parse_json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def _parse_compilation(text: str) -> Any:

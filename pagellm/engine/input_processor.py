@@ -17,8 +17,15 @@ from pagellm.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, data_parallel_size: int = 1):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        data_parallel_size: int = 1,
+        structured_outputs_backend: str = "auto",
+    ):
         self.model_config = model_config
+        self.structured_outputs_backend = structured_outputs_backend
         self.data_parallel_size = data_parallel_size
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
@@ -105,7 +112,22 @@ class InputProcessor:
         params.all_stop_token_ids = stop_ids
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
         return params
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        """Checked here with the backend that will compile it, so a bad schema is the
+        caller's error now, not a failed request later; the backend that accepted it
+        goes with the request."""
+        from pagellm.structured_output import validate_structured_outputs
+
+        so = params.structured_outputs
+        assert so is not None
+        try:
+            so.backend = validate_structured_outputs(so, self.structured_outputs_backend)
+        except ValueError as e:
+            raise ValueError(f"Invalid structured_outputs.{so.kind}: {e}") from None
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word is banned with and without a leading space."""

@@ -29,7 +29,12 @@ def load_frontend(config: EngineConfig) -> tuple[Any, InputProcessor]:
     from pagellm.model_executor.loader import load_tokenizer
 
     tokenizer = load_tokenizer(config.model_config.model_path, config.model_config.tokenizer)
-    return tokenizer, InputProcessor(config.model_config, tokenizer, config.parallel_config.data_parallel_size)
+    return tokenizer, InputProcessor(
+        config.model_config,
+        tokenizer,
+        config.parallel_config.data_parallel_size,
+        structured_outputs_backend=config.structured_outputs_config.backend,
+    )
 
 
 def start_frontend_and_core(config: EngineConfig, make_client: Callable[[], EngineCoreClient]) -> tuple[Any, InputProcessor, EngineCoreClient]:

@@ -39,3 +39,7 @@ class SamplingMetadata:
     allowed_token_ids_mask: torch.Tensor | None = None
     # row -> list of banned token sequences
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    # Structured outputs: int32 [R, ceil(V / 32)] allowed-token bits, row j for logits row
+    # token_bitmask_rows[j]; other rows are left alone.
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: list[int] = field(default_factory=list)

@@ -13,6 +13,7 @@ import torch
 from pagellm.outputs import LogprobsLists
 from pagellm.sample import ops
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.structured_output.backend_types import apply_token_bitmask
 
 _GREEDY_EPS = 1e-5
 
@@ -86,6 +87,8 @@ class Sampler:
     @staticmethod
     def apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         """Hard constraints and biases that change which token is the argmax."""
+        if metadata.token_bitmask is not None:
+            apply_token_bitmask(logits, metadata.token_bitmask, metadata.token_bitmask_rows)
         if metadata.allowed_token_ids_mask is not None:
             ops.apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
         if metadata.bad_words_token_ids:

@@ -25,6 +25,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.sched.output import SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
+from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
 from pagellm.utils import cdiv
@@ -275,6 +276,8 @@ class ModelRunner:
         last_token_idx = torch.from_numpy(inputs.cu[due + 1] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last_token_idx])
         metadata = batch.make_sampling_metadata(due_rows, self.device)
+        if sched.grammar_bitmask is not None:
+            self._attach_bitmask(sched, [req_ids[i] for i in due], metadata)
         result = self.sampler.forward(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
@@ -288,6 +291,21 @@ class ModelRunner:
                     [lp_lists.logprob_token_ids[j][:n]], [lp_lists.logprobs[j][:n]], [lp_lists.ranks[j]]
                 )
         return out
+
+    @staticmethod
+    def _attach_bitmask(sched: SchedulerOutput, sampling_ids: list[str], metadata: SamplingMetadata) -> None:
+        """Hands the sampler the grammar rows of this step's constrained requests, each
+        matched to its logits row."""
+        logits_rows, mask_rows = [], []
+        for j, req_id in enumerate(sampling_ids):
+            row = sched.structured_output_request_ids.get(req_id)
+            if row is not None:
+                logits_rows.append(j)
+                mask_rows.append(row)
+        if logits_rows:
+            assert sched.grammar_bitmask is not None
+            metadata.token_bitmask = sched.grammar_bitmask[mask_rows]
+            metadata.token_bitmask_rows = logits_rows
 
     def _collect_prompt_logprobs(self, inputs: _StepInputs, hidden: torch.Tensor, req_ids: list, out: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens for requests that asked: the hidden state at

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagellm.sampling_params import SamplingParams
 
 
@@ -54,6 +56,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted this step: the runner drops their rows; they come back as new.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: int32 [rows, ceil(vocab / 32)], bit t set where token t may
+    # come next, for the requests that sample this step under a grammar (req_id -> row).
+    grammar_bitmask: torch.Tensor | None = None
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

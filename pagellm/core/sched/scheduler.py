@@ -31,6 +31,7 @@ from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from pagellm.config import CacheConfig, SchedulerConfig
+    from pagellm.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -56,12 +57,14 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         log_stats: bool = True,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.log_stats = log_stats
+        self.structured_output_manager = structured_output_manager
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -76,10 +79,12 @@ class Scheduler:
         )
 
         # Every unfinished request is in `requests` and in exactly one of `waiting`
-        # (WAITING / PREEMPTED, holding no blocks) or `running` (RUNNING, holding blocks).
+        # (WAITING / PREEMPTED, holding no blocks), `running` (RUNNING, holding blocks) or
+        # `waiting_for_grammar` (WAITING_FOR_FSM: its grammar compiles, no blocks).
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []
         # Finished or aborted since the last schedule(): the runner drops their rows.
         self.finished_req_ids: set[str] = set()
         # Finished or aborted since the last update_from_output(), by client (DP balancer).
@@ -99,8 +104,13 @@ class Scheduler:
             self._finished_outside_step.append(request)
             return
         self.requests[request.request_id] = request
-        self.waiting.add_request(request)
         self._record_event(request, EngineCoreEventType.QUEUED)
+        so = request.structured_output_request
+        if so is not None and not so.is_ready():
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_grammar.append(request)
+            return
+        self.waiting.add_request(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -112,12 +122,15 @@ class Scheduler:
             request_ids = (request_ids,)
         from_running: set[str] = set()
         from_waiting: list[Request] = []
+        from_grammar: set[str] = set()
         for req_id in request_ids:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
             if request.status == RequestStatus.RUNNING:
                 from_running.add(req_id)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                from_grammar.add(req_id)
             else:
                 from_waiting.append(request)
             request.status = finished_status
@@ -126,6 +139,8 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in from_running]
         if from_waiting:
             self.waiting.remove_requests(from_waiting)
+        if from_grammar:
+            self.waiting_for_grammar = [r for r in self.waiting_for_grammar if r.request_id not in from_grammar]
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -138,11 +153,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """1. running requests, preempting when blocks run out; 2. waiting requests, only
         if nothing was preempted; 3. advance num_computed_tokens and build the output."""
+        if self.waiting_for_grammar:
+            self._admit_compiled_grammars()
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         return self._build_output(plan)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Requests whose grammar finished compiling join `waiting` (in arrival order);
+        one whose grammar failed to compile finishes with an error."""
+        still: list[Request] = []
+        for request in self.waiting_for_grammar:
+            so = request.structured_output_request
+            assert so is not None
+            if not so.is_ready():
+                still.append(request)
+            elif so.error is not None:
+                logger.error("Request %s: its grammar did not compile (%s)", request.request_id, so.error)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free_request(request)
+                self._finished_outside_step.append(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.waiting.add_request(request)
+        self.waiting_for_grammar = still
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
@@ -277,6 +313,16 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
         )
+        if self.structured_output_manager is not None:
+            # Rows for the requests that sample this step (their last prompt chunk or a decode).
+            sampling = [
+                self.requests[req_id]
+                for req_id in plan.num_scheduled_tokens
+                if self.requests[req_id].num_computed_tokens >= self.requests[req_id].num_tokens
+            ]
+            output.grammar_bitmask, output.structured_output_request_ids = (
+                self.structured_output_manager.grammar_bitmask(sampling)
+            )
         self.finished_req_ids = set()
         return output
 
@@ -324,9 +370,25 @@ class Scheduler:
         for token_id in sampled:
             request.append_output_token_ids(token_id)
             appended.append(token_id)
-            if self._check_stop(request):
+            if self._check_stop(request) or self._advance_grammar(request, token_id):
                 break
         return appended
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Moves the request's matcher over the token; True if that finished the request
+        (the constraint is complete, or the token broke it)."""
+        so = request.structured_output_request
+        if so is None or self.structured_output_manager is None:
+            return False
+        if not self.structured_output_manager.accept_token(request, token_id):
+            logger.error("Request %s: token %d is not allowed by its grammar; finishing it.",
+                         request.request_id, token_id)
+            request.status = RequestStatus.FINISHED_ERROR
+            return True
+        if so.grammar is not None and so.reasoning_ended and so.grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _check_stop(self, request: Request) -> bool:
         """Sets the finished status (and stop_reason) if the last token ends the request.
@@ -394,7 +456,7 @@ class Scheduler:
     # -- queries and maintenance -------------------------------------------------------
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -407,8 +469,8 @@ class Scheduler:
         )
 
     def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
+        """(running, waiting); waiting counts requests whose grammar compiles."""
+        return len(self.running), len(self.waiting) + len(self.waiting_for_grammar)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -418,7 +480,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.make_prefix_cache_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
@@ -438,7 +500,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         kv.check_invariants()
         running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in self.waiting]
+        waiting_ids = [r.request_id for r in self.waiting] + [r.request_id for r in self.waiting_for_grammar]
         assert len(set(running_ids)) == len(running_ids), f"running has duplicates: {running_ids}"
         assert len(set(waiting_ids)) == len(waiting_ids), f"waiting has duplicates: {waiting_ids}"
         assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
@@ -457,6 +519,9 @@ class Scheduler:
             )
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), r
+            assert r.num_computed_tokens == 0, r
+        for r in self.waiting_for_grammar:
+            assert r.status == RequestStatus.WAITING_FOR_FSM, r
             assert r.num_computed_tokens == 0, r
 
 

@@ -18,6 +18,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template); refused with 400 otherwise, since "
                         "the server runs it.")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model decide when to call tools (tool_choice 'auto'); needs "
+                        "--tool-call-parser to read the calls from its output.")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>, also "
+                        "what the generic tool prompt asks for), llama3_json or pythonic.")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",

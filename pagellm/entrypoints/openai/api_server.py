@@ -92,11 +92,14 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+              enable_auto_tool_choice: bool = False) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics,
-                             trust_request_chat_template=trust_request_chat_template)
+                             trust_request_chat_template=trust_request_chat_template,
+                             tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                             reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None)
     app.state.engine = engine
 
     @app.exception_handler(RequestValidationError)
@@ -194,6 +197,7 @@ def run_server(args: Any) -> int:
     from pagellm.engine.arg_utils import EngineArgs
 
     chat_template = load_chat_template(args.chat_template)
+    _check_tool_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     # The port is taken before the model loads: a port in use fails at once, not after
     # minutes of start-up.
@@ -216,7 +220,8 @@ def run_server(args: Any) -> int:
                 mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
 
     @app.on_event("startup")
     async def _start_logging() -> None:
@@ -239,6 +244,15 @@ def run_server(args: Any) -> int:
         sock.close()
         engine.shutdown()
     return 0
+
+
+def _check_tool_flags(args: Any) -> None:
+    from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic).")
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)  # ValueError naming the accepted parsers
 
 
 def _listen(host: str, port: int) -> socket.socket:

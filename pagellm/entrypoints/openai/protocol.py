@@ -13,7 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagellm.entrypoints.chat_utils import CHAT_ROLES
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.logger import init_logger
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+logger = init_logger(__name__)
 
 MAX_LOGPROBS = 20
 
@@ -41,6 +44,24 @@ class ErrorResponse(OpenAIBaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -71,6 +92,34 @@ class SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self) -> SamplingFields:
+        # OpenAI's API ignores unknown fields; say which, so a misspelt option is visible.
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+        return self
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for and the field it came from."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("give either response_format or structured_outputs, not both")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+            except TypeError as e:  # an unknown key
+                raise ValueError(f"structured_outputs: {e}") from None
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None, None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        assert fmt.json_schema is not None
+        schema = fmt.json_schema.json_schema
+        return StructuredOutputsParams(json=schema if schema is not None else {}), "response_format"
 
     @model_validator(mode="after")
     def _check_logit_bias(self) -> SamplingFields:
@@ -149,6 +198,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -219,6 +271,8 @@ class ChatLogprobs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -241,6 +295,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -1,9 +1,20 @@
 """POST /v1/chat/completions: messages -> chat template -> AsyncLLM -> OpenAI chat JSON
-or SSE chunks (first chunk carries the role, the last one the finish reason)."""
+or SSE chunks (first chunk carries the role, the last one the finish reason).
+
+Tools: `tool_choice` "required" or a named function constrains the output with a JSON
+schema (structured outputs) and reads it back as tool calls; "auto" parses the model's
+own tool-call syntax with the server's `--tool-call-parser`. Templates without tools
+support get a generic tool prompt. With `--reasoning-parser`, `<think>` text is returned
+as `reasoning_content`.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from pagellm.entrypoints.chat_utils import apply_chat_template, validate_messages
 from pagellm.entrypoints.openai.protocol import (
@@ -28,16 +39,79 @@ from pagellm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from pagellm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser
+from pagellm.entrypoints.openai.tool_parsers.generic_prompt import (
+    add_generic_tool_prompt,
+    flatten_tool_messages,
+    template_supports_tools,
+)
+from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
+    InvalidToolRequest,
+    constrained_tool_call_streamer,
+    tool_calls_from_constrained_output,
+    tool_choice_json_schema,
+    validate_tool_choice,
+    validate_tools,
+)
 from pagellm.outputs import CompletionOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+
+_supports_tools = functools.lru_cache(maxsize=16)(template_supports_tools)
+
+
+@dataclass
+class _ToolPlan:
+    """How one request's tools are handled."""
+
+    choice: str | dict[str, Any] = "none"
+    # "required" or a named tool: the output is constrained to tool calls.
+    constrained: bool = False
+    # "auto" with a tool-call parser: the model's text is parsed for tool calls.
+    parse_auto: bool = False
+
+
+@dataclass
+class _StreamState:
+    """Per choice of a stream: the parsers' held-back text and whether a call went out."""
+
+    reasoning: ReasoningStreamer | None
+    tools: ToolCallStreamer | None
+    called: bool = False
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
-        self.check_model(request.model)
-        self.check_alive()
-        if request.tools:
-            raise OpenAIError("tools are not supported by this server", param="tools")
+    def __init__(self, *args: Any, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser: ToolParser | None = (
+            get_tool_parser(tool_call_parser)(self.tokenizer) if tool_call_parser else None
+        )
+        self.reasoner: ReasoningParser | None = (
+            get_reasoning_parser(reasoning_parser)(self.tokenizer) if reasoning_parser else None
+        )
+
+    # -- request -> prompt and params ----------------------------------------------------
+
+    def _tool_plan(self, request: ChatCompletionRequest) -> _ToolPlan:
+        try:
+            specs = validate_tools(request.tools) if request.tools else []
+            choice = validate_tool_choice(request.tool_choice, specs)
+        except InvalidToolRequest as e:
+            raise OpenAIError(str(e), param=e.param) from e
+        if not specs:
+            return _ToolPlan()
+        if choice == "auto" and not (self.enable_auto_tool_choice and self.tool_parser is not None):
+            raise OpenAIError(
+                '"auto" tool choice requires the server to be started with --enable-auto-tool-choice '
+                "and --tool-call-parser; use tool_choice \"required\" or a named function instead.",
+                param="tool_choice",
+            )
+        return _ToolPlan(choice=choice, constrained=choice == "required" or isinstance(choice, dict),
+                         parse_auto=choice == "auto")
+
+    def _render(self, request: ChatCompletionRequest, plan: _ToolPlan) -> str:
         kwargs = dict(request.chat_template_kwargs or {})
         sent_template = request.chat_template or kwargs.pop("chat_template", None)
         if sent_template is not None and not self.trust_request_chat_template:
@@ -47,27 +121,58 @@ class OpenAIServingChat(OpenAIServing):
                 "template unless it is started with --trust-request-chat-template.",
                 param="chat_template",
             )
+        template = sent_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        messages = request.messages
         try:
-            prompt = apply_chat_template(
-                self.tokenizer, request.messages, sent_template or self.chat_template,
+            native = bool(template) and _supports_tools(template)
+            if native:
+                messages = [_arguments_as_objects(m) for m in messages]
+                if plan.choice != "none":
+                    kwargs["tools"] = request.tools
+            elif plan.choice != "none":
+                messages = add_generic_tool_prompt(messages, request.tools or [])
+            else:
+                messages = flatten_tool_messages(messages)
+            return apply_chat_template(
+                self.tokenizer, messages, sent_template or self.chat_template,
                 request.add_generation_prompt, request.continue_final_message, **kwargs,
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
+
+    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, _ToolPlan]:
+        self.check_model(request.model)
+        self.check_alive()
+        plan = self._tool_plan(request)
+        prompt = self._render(request, plan)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.validate_length(ids, request.requested_max_tokens, param)
         params = request.to_sampling_params(max_tokens)
+        if plan.parse_auto:
+            params.skip_special_tokens = False  # tool-call markers may be special tokens
         self.check_sampling_params(params)
-        return prompt, ids, params
+        return prompt, ids, params, plan
+
+    def _constraint(self, request: ChatCompletionRequest, plan: _ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
+        constraint, field_name = self.requested_constraint(request)
+        if not plan.constrained:
+            return constraint, field_name
+        if constraint is not None:
+            raise OpenAIError(f"tool_choice {_choice_name(plan.choice)} constrains the output to tool calls; "
+                              f"it cannot be combined with {field_name}.", param="tool_choice")
+        schema = tool_choice_json_schema(request.tools, plan.choice, request.parallel_tool_calls)
+        return StructuredOutputsParams(json=schema), "tool_choice"
 
     async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
-        prompt, ids, params = self._prepare(request)
+        prompt, ids, params, plan = self._prepare(request)
+        constraint, field_name = self._constraint(request, plan)
+        await self.attach_structured_outputs(params, constraint, field_name)
         request_id = random_id("chatcmpl")
         gen = self.engine.generate({"prompt_token_ids": ids, "prompt": prompt}, params, request_id,
                                    priority=request.priority)
         if request.stream:
-            return self._stream(request, request_id, ids, gen)
+            return self._stream(request, request_id, ids, gen, plan)
         final = None
         try:
             async for _, out in merge_generators([gen]):
@@ -80,15 +185,41 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         for c in sorted(final.outputs, key=lambda c: c.index):
             completion_tokens += len(c.token_ids)
+            message, finish_reason = self._message(request, plan, c.text, c.finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatChoice(
                 index=c.index,
-                message=ChatMessage(role="assistant", content=echo + c.text),
+                message=message,
                 logprobs=self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             ))
         return ChatCompletionResponse(id=request_id, model=request.model or self.served_model_names[0],
                                       choices=choices, usage=usage(len(ids), completion_tokens))
+
+    # -- output text -> message -------------------------------------------------------------
+
+    def _message(self, request: ChatCompletionRequest, plan: _ToolPlan, text: str,
+                 finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        reasoning, content = self.reasoner.extract_reasoning(text) if self.reasoner else (None, text)
+        if not request.include_reasoning:
+            reasoning = None
+        calls: list[dict[str, Any]] = []
+        if plan.constrained and content is not None:
+            try:
+                calls = [c.to_dict() for c in tool_calls_from_constrained_output(content, request.tools, plan.choice)]
+                content = None
+            except ValueError:
+                pass  # cut short (max_tokens): the text is returned as it is
+        elif plan.parse_auto and content and self.tool_parser is not None:
+            extracted = self.tool_parser.extract_tool_calls(content)
+            if extracted.tools_called:
+                calls = [c.to_dict() for c in extracted.tool_calls]
+                content = extracted.content
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return ChatMessage(role="assistant", content=content, reasoning_content=reasoning, tool_calls=calls), finish_reason
 
     def _logprobs(self, c: CompletionOutput, top: int) -> ChatLogprobs:
         """Per token: the sampled token's logprob and exactly `top` alternatives, the most
@@ -110,14 +241,59 @@ class OpenAIServingChat(OpenAIServing):
             ))
         return ChatLogprobs(content=content)
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, ids: list[int], gen) -> AsyncIterator[str]:
+    # -- streaming ---------------------------------------------------------------------------
+
+    def _stream_state(self, request: ChatCompletionRequest, plan: _ToolPlan) -> _StreamState:
+        tools: ToolCallStreamer | None = None
+        if plan.constrained:
+            tools = constrained_tool_call_streamer(request.tools, plan.choice)
+        elif plan.parse_auto and self.tool_parser is not None:
+            tools = self.tool_parser.streamer()
+        return _StreamState(reasoning=self.reasoner.streamer() if self.reasoner else None, tools=tools)
+
+    @staticmethod
+    def _delta(request: ChatCompletionRequest, state: _StreamState, text: str, final: bool) -> DeltaMessage:
+        """Runs a text delta through the reasoning parser, then the tool-call parser."""
+        reasoning_parts: list[str] = []
+        content_parts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        pieces = []
+        if state.reasoning is not None:
+            pieces.append(state.reasoning.feed(text))
+            if final:
+                pieces.append(state.reasoning.finish())
+        else:
+            pieces.append((None, text))
+        for reasoning, content in pieces:
+            if reasoning:
+                reasoning_parts.append(reasoning)
+            if content:
+                if state.tools is not None:
+                    d = state.tools.feed(content)
+                    content_parts.append(d.content or "")
+                    calls += d.tool_calls
+                else:
+                    content_parts.append(content)
+        if final and state.tools is not None:
+            d = state.tools.finish()
+            content_parts.append(d.content or "")
+            calls += d.tool_calls
+        state.called = state.called or bool(calls)
+        return DeltaMessage(
+            content="".join(content_parts) or None,
+            reasoning_content=("".join(reasoning_parts) or None) if request.include_reasoning else None,
+            tool_calls=calls or None,
+        )
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, ids: list[int], gen,
+                      plan: _ToolPlan) -> AsyncIterator[str]:
         model = request.model or self.served_model_names[0]
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         echo = _echoed(request)
         completion_tokens = 0
-        started: set[int] = set()
+        states: dict[int, _StreamState] = {}
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice],
@@ -126,17 +302,23 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, out in merge_generators([gen]):
                 for c in out.outputs:
-                    if c.index not in started:
-                        started.add(c.index)
+                    if c.index not in states:
+                        states[c.index] = self._stream_state(request, plan)
                         yield chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=echo)))
+                    state = states[c.index]
                     completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    finished = c.finish_reason is not None
+                    delta = self._delta(request, state, c.text, finished)
+                    wants_logprobs = request.logprobs and bool(c.token_ids)
+                    if delta == DeltaMessage() and not finished and not wants_logprobs:
                         continue
-                    delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                    finish_reason = c.finish_reason
+                    if state.called and finish_reason == "stop":
+                        finish_reason = "tool_calls"
                     yield chunk(ChatStreamChoice(
                         index=c.index, delta=delta,
                         logprobs=self._logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        finish_reason=finish_reason, stop_reason=c.stop_reason,
                     ))
             if include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
@@ -144,6 +326,28 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             yield sse(as_openai_error(e).response())
         yield SSE_DONE
+
+
+def _choice_name(choice: str | dict[str, Any]) -> str:
+    return repr(choice) if isinstance(choice, str) else f"naming {choice['function']['name']!r}"
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """Templates that render tool calls expect `arguments` as an object; OpenAI's
+    messages carry it as a JSON string."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass  # left as text; the template shows it as it came
+        fixed.append({**call, "function": fn})
+    return {**message, "tool_calls": fixed}
 
 
 def _echoed(request: ChatCompletionRequest) -> str:

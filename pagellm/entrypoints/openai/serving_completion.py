@@ -53,6 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         prepared = self._prepare(request)
+        constraint, field = self.requested_constraint(request)
+        for _, _, params in prepared:
+            await self.attach_structured_outputs(params, constraint, field)
         base_id = random_id("cmpl")
         gens = [
             self.engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}",

@@ -13,7 +13,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -51,6 +51,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
+        self.structured_outputs_backend = engine.config.structured_outputs_config.backend
         self.chat_template = chat_template
         self.metrics = metrics
 
@@ -92,6 +93,33 @@ class OpenAIServing:
         except ValueError as e:
             param = next((n for n in ("stop_token_ids", "allowed_token_ids", "logit_bias") if str(e).startswith(n)), None)
             raise OpenAIError(str(e), param=param) from e
+
+    @staticmethod
+    def requested_constraint(request: Any) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's response_format / structured_outputs as one constraint."""
+        try:
+            return request.structured_outputs_params()
+        except ValueError as e:
+            field = "structured_outputs" if str(e).startswith("structured_outputs") else "response_format"
+            raise OpenAIError(str(e), param=field) from e
+
+    async def attach_structured_outputs(
+        self, params: SamplingParams, constraint: StructuredOutputsParams | None, field: str | None
+    ) -> None:
+        """Validates the request's output constraint with the grammar backend (in a thread:
+        a large schema, or the backend's first import, must not hold up other streams)
+        and attaches it; a bad one is a 400 naming the request field it came from."""
+        if constraint is None:
+            return
+        from pagellm.structured_output import validate_structured_outputs
+
+        try:
+            constraint.backend = await asyncio.to_thread(
+                validate_structured_outputs, constraint, self.structured_outputs_backend
+            )
+        except ValueError as e:
+            raise OpenAIError(f"Invalid {field}: {e}", param=field) from e
+        params.structured_outputs = constraint
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.model_config.vocab_size

@@ -1,0 +1,47 @@
+"""Tool-call parsers by vLLM's `--tool-call-parser` names, and helpers for tool requests.
+
+`get_tool_parser(name)` returns the parser class; `tool_choice` holds the constrained
+(`required` / named) schemas; `generic_prompt` serves templates without tools support.
+"""
+
+from __future__ import annotations
+
+from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCalls,
+    FunctionCall,
+    StreamDelta,
+    ToolCall,
+    ToolCallStreamer,
+    ToolParser,
+    make_tool_call_id,
+)
+from pagellm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
+from pagellm.entrypoints.openai.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
+from pagellm.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        accepted = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool call parser {name!r}; accepted: {accepted}") from None
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "ExtractedToolCalls",
+    "FunctionCall",
+    "StreamDelta",
+    "ToolCall",
+    "ToolCallStreamer",
+    "ToolParser",
+    "get_tool_parser",
+    "make_tool_call_id",
+]

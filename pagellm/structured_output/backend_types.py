@@ -1,0 +1,67 @@
+"""The contract between the structured output manager and a grammar library.
+
+A backend compiles a request's constraint (StructuredOutputsParams) into a Grammar: a
+matcher that accepts sampled tokens and fills its row of a token bitmask. The bitmask is
+int32 [rows, ceil(vocab / 32)], bit t of a row set where token t is allowed (the layout
+xgrammar and llguidance share), applied to logits by `apply_token_bitmask`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagellm.sampling_params import StructuredOutputsParams
+
+
+class Grammar(ABC):
+    """One request's matcher state."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advances over sampled tokens; False if one of them is not allowed (the state
+        is then left before that token)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the tokens allowed next into `bitmask[row]`."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the constraint is complete and the stop token was accepted."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Back to the start (nothing accepted)."""
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles constraints for one tokenizer vocabulary. Thread-safe `compile`."""
+
+    name: str
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """Compiles `params` into a fresh matcher (ValueError when it cannot)."""
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Sets the logits of disallowed tokens to -inf in `rows` (bitmask row j applies to
+    logits row rows[j]); other rows are not touched."""
+    if not rows:
+        return
+    vocab_size = logits.shape[1]
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> _BIT.to(logits.device)) & 1
+    allowed = bits.view(len(rows), -1)[:, :vocab_size].bool()
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    selected = logits.index_select(0, index)
+    selected.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, selected)
