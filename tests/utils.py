@@ -83,7 +83,8 @@ def make_tiny_model(family: str, tmp_path_factory: Any, seed: int = 0, **overrid
     if key in _TINY_CACHE:
         return _TINY_CACHE[key]
     tok = load_tokenizer(default_model_path())
-    cfg = _tiny_config(family, len(tok), tok, **overrides)
+    # vocab_size may be overridden upward, for tokens a test adds to the tokenizer copy
+    cfg = _tiny_config(family, overrides.pop("vocab_size", len(tok)), tok, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -43,14 +44,31 @@ def apply_chat_template(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
     **kwargs: Any,
 ) -> str:
-    messages = validate_messages(messages)
+    """Renders a conversation. Tools (and a history's tool calls and results) go to a
+    template that renders them itself; a template that knows no tools gets them as a
+    generic tool prompt, and the history's tool turns as plain text."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
             "The model's tokenizer has no chat template; pass chat_template= (or --chat-template)."
         )
+    from pagellm.entrypoints.openai.tool_parsers.generic_prompt import (
+        add_generic_tool_prompt,
+        flatten_tool_messages,
+    )
+
+    messages = validate_messages(messages)
+    if _supports_tools(template):
+        messages = [_arguments_as_objects(m) for m in messages]
+        if tools:
+            kwargs["tools"] = tools
+    elif tools:
+        messages = add_generic_tool_prompt(messages, tools)
+    else:
+        messages = flatten_tool_messages(messages)
     import jinja2
 
     try:
@@ -64,6 +82,31 @@ def apply_chat_template(
         )
     except jinja2.TemplateError as e:  # a syntax error, or the template's raise_exception()
         raise ValueError(f"The chat template failed: {type(e).__name__}: {e}") from e
+
+
+@functools.lru_cache(maxsize=16)
+def _supports_tools(template: str) -> bool:
+    from pagellm.entrypoints.openai.tool_parsers.generic_prompt import template_supports_tools
+
+    return template_supports_tools(template)
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """Templates that render tool calls expect `arguments` as an object; OpenAI's
+    messages carry it as a JSON string."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass  # left as text; the template shows it as it came
+        fixed.append({**call, "function": fn})
+    return {**message, "tool_calls": fixed}
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -77,16 +77,17 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """tools: handed to the chat template (as `tools`), for templates that list them."""
+        """tools: rendered by the chat template when it lists tools, otherwise as a generic
+        tool prompt asking for `<tool_call>{...}</tool_call>` replies (see chat_utils).
+        Constrain the reply with SamplingParams(structured_outputs=...) if it must parse."""
         _no_lora(lora_request)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         kwargs = dict(chat_template_kwargs or {})
-        if tools is not None:
-            kwargs["tools"] = tools
         prompts = [
             apply_chat_template(
-                tokenizer, conv, chat_template, add_generation_prompt, continue_final_message, **kwargs,
+                tokenizer, conv, chat_template, add_generation_prompt, continue_final_message,
+                tools=tools, **kwargs,
             )
             for conv in conversations
         ]

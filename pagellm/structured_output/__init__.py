@@ -10,6 +10,7 @@ libraries load at the first constrained request, not at start-up.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -58,9 +59,28 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str = 
 _validated: dict[tuple[str, bytes], str] = {}
 
 
+def check_json_schema(schema: Any) -> None:
+    """ValueError unless `schema` is valid JSON Schema (the grammar backends accept some
+    invalid ones, such as {"minimum": "zero"}, and would generate without the bound)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        path = "".join(f"[{p!r}]" for p in e.path)
+        raise ValueError(f"invalid JSON schema{path}: {e.message}") from None
+
+
 def _validate(params: StructuredOutputsParams, backend: str) -> str:
     from pagellm.structured_output import backend_guidance, backend_xgrammar
 
+    if params.kind == "json":
+        try:
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the schema is not valid JSON: {e}") from None
+        check_json_schema(schema)
     if backend not in BACKENDS:
         raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
     if params.kind == "structural_tag":

@@ -50,18 +50,17 @@ def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Sets the logits of disallowed tokens to -inf in `rows` (bitmask row j applies to
-    logits row rows[j]); other rows are not touched."""
+    logits row rows[j]); other rows are not touched. xgrammar's kernel (vectorised on
+    CPU) does the masking; its row indices address logits and bitmask alike, so the
+    bitmask rows are first laid out at their logits rows."""
     if not rows:
         return
-    vocab_size = logits.shape[1]
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> _BIT.to(logits.device)) & 1
-    allowed = bits.view(len(rows), -1)[:, :vocab_size].bool()
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    selected = logits.index_select(0, index)
-    selected.masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, selected)
+    import xgrammar as xgr
+
+    full = bitmask
+    if rows != list(range(logits.shape[0])):
+        full = allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)

@@ -376,7 +376,7 @@ class Scheduler:
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:
         """Moves the request's matcher over the token; True if that finished the request
-        (the constraint is complete, or the token broke it)."""
+        (the constraint ended with a stop token, or the token broke it)."""
         so = request.structured_output_request
         if so is None or self.structured_output_manager is None:
             return False
@@ -385,7 +385,11 @@ class Scheduler:
                          request.request_id, token_id)
             request.status = RequestStatus.FINISHED_ERROR
             return True
-        if so.grammar is not None and so.reasoning_ended and so.grammar.is_terminated():
+        # A grammar that ends with a stop token ends the request even where the stop token
+        # alone would not (ignore_eos, min_tokens). One that completes on an ordinary token
+        # (guidance stops there) lets the next step sample the stop token it then allows.
+        is_stop_token = token_id == request.eos_token_id or token_id in request.sampling_params.all_stop_token_ids
+        if so.grammar is not None and so.reasoning_ended and is_stop_token and so.grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False

@@ -10,8 +10,6 @@ as `reasoning_content`.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +38,6 @@ from pagellm.entrypoints.openai.serving_engine import (
     usage,
 )
 from pagellm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser
-from pagellm.entrypoints.openai.tool_parsers.generic_prompt import (
-    add_generic_tool_prompt,
-    flatten_tool_messages,
-    template_supports_tools,
-)
 from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
     InvalidToolRequest,
     constrained_tool_call_streamer,
@@ -56,8 +49,6 @@ from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
 from pagellm.outputs import CompletionOutput
 from pagellm.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
-
-_supports_tools = functools.lru_cache(maxsize=16)(template_supports_tools)
 
 
 @dataclass
@@ -121,21 +112,11 @@ class OpenAIServingChat(OpenAIServing):
                 "template unless it is started with --trust-request-chat-template.",
                 param="chat_template",
             )
-        template = sent_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        messages = request.messages
         try:
-            native = bool(template) and _supports_tools(template)
-            if native:
-                messages = [_arguments_as_objects(m) for m in messages]
-                if plan.choice != "none":
-                    kwargs["tools"] = request.tools
-            elif plan.choice != "none":
-                messages = add_generic_tool_prompt(messages, request.tools or [])
-            else:
-                messages = flatten_tool_messages(messages)
             return apply_chat_template(
-                self.tokenizer, messages, sent_template or self.chat_template,
-                request.add_generation_prompt, request.continue_final_message, **kwargs,
+                self.tokenizer, request.messages, sent_template or self.chat_template,
+                request.add_generation_prompt, request.continue_final_message,
+                tools=request.tools if plan.choice != "none" else None, **kwargs,
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
@@ -330,24 +311,6 @@ class OpenAIServingChat(OpenAIServing):
 
 def _choice_name(choice: str | dict[str, Any]) -> str:
     return repr(choice) if isinstance(choice, str) else f"naming {choice['function']['name']!r}"
-
-
-def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
-    """Templates that render tool calls expect `arguments` as an object; OpenAI's
-    messages carry it as a JSON string."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    fixed = []
-    for call in calls:
-        fn = dict(call.get("function") or {})
-        if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
-                pass  # left as text; the template shows it as it came
-        fixed.append({**call, "function": fn})
-    return {**message, "tool_calls": fixed}
 
 
 def _echoed(request: ChatCompletionRequest) -> str:

@@ -33,6 +33,7 @@ from pagellm.entrypoints.openai.tool_parsers.json_calls import (
     parse_call_sequence,
 )
 from pagellm.streaming_text import ContentStream
+from pagellm.structured_output import check_json_schema
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -92,15 +93,9 @@ def _checked_schema(schema: Any, where: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise InvalidToolRequest(where, "must be a JSON schema object")
     try:
-        from jsonschema import Draft202012Validator
-        from jsonschema.exceptions import SchemaError
-    except ImportError:  # without jsonschema only the shape is checked
-        return schema
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as e:
-        path = "".join(f"[{p!r}]" for p in e.path)
-        raise InvalidToolRequest(where, f"invalid JSON schema{path}: {e.message}") from None
+        check_json_schema(schema)
+    except ValueError as e:
+        raise InvalidToolRequest(where, str(e)) from None
     return schema
 
 
