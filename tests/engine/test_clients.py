@@ -20,7 +20,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError
 from pagellm.metrics.loggers import LoggingStatLogger
-from pagellm.sampling_params import RequestOutputKind
+from pagellm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "The sky is"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -78,6 +78,14 @@ async def test_async_and_dplb_match_inproc(reference_tokens) -> None:
                 assert all(o.finished for o in outs)
                 sent = engine.engine_core.requests_sent
                 assert sent[0] > 0 and sent[1] > 0 and sent[0] + sent[1] == 36
+                # a structured-output constraint crosses the wire to each rank
+                choice = SamplingParams(temperature=0, max_tokens=8,
+                                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+                for rank in (0, 1):
+                    final = None
+                    async for out in engine.generate("Is water wet? Answer:", choice, f"so{rank}", data_parallel_rank=rank):
+                        final = out
+                    assert final.outputs[0].text in ("yes", "no") and final.outputs[0].finish_reason == "stop"
             # each engine's outputs carry its own index (the balancer reads its load by it)
             assert sorted(stats.sched) == list(range(dp))
         finally:
