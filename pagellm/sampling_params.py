@@ -13,7 +13,8 @@ from typing import Any
 
 import msgspec
 
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
+"""A temperature below this is greedy (the sampler takes the argmax)."""
 # logprobs / prompt_logprobs = ALL_LOGPROBS: every token of the vocabulary (vLLM's -1).
 ALL_LOGPROBS = -1
 _MAX_TEMP = 1e-2
@@ -129,7 +130,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
         self._verify_args()
         if 0 < self.temperature < _MAX_TEMP:
             self.temperature = _MAX_TEMP
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs mean nothing.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         if not self.all_stop_token_ids:
@@ -185,7 +186,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS:
             return SamplingType.GREEDY
         if self.seed is not None:
             return SamplingType.RANDOM_SEED

@@ -7,9 +7,10 @@ EngineCoreProc wraps it in a process; InprocClient calls it directly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
+import queue
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -53,8 +54,13 @@ class EngineCore:
         if config.cache_config.enable_prefix_caching:
             self.block_hasher = get_request_block_hasher(config.cache_config.block_size)
         self.check_invariants = envs.PAGELLM_CHECK_INVARIANTS
-        # EngineCoreProc replaces this to apply aborts that arrived during a forward.
-        self.pending_aborts_hook: Callable[[], None] = lambda: None
+        # Aborts that arrive from another thread (the process's input thread) come twice:
+        # early, applied between a forward and its update so an aborted request emits
+        # nothing more, and in order with the adds. See receive_abort / abort_in_order.
+        self._abort_seq = itertools.count()
+        self._early_aborts: queue.SimpleQueue[tuple[int, list[str]]] = queue.SimpleQueue()
+        self._aborts_done: set[int] = set()
+        self._aborts_left: dict[int, list[str]] = {}
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def ready_response(self) -> EngineCoreReadyResponse:
@@ -79,6 +85,36 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         return missing
 
+    def receive_abort(self, request_ids: list[str]) -> int:
+        """Thread-safe: notes an abort that has just arrived and returns its number; the
+        caller then queues (number, ids) for abort_in_order behind the adds before it."""
+        seq = next(self._abort_seq)
+        self._early_aborts.put((seq, request_ids))
+        return seq
+
+    def abort_in_order(self, seq: int, request_ids: list[str]) -> None:
+        """The copy met in order with the adds: aborts what the early copy could not (ids
+        whose ADD was still queued). Anything added after it is a newer request (an id
+        reused), which it leaves alone."""
+        if seq in self._aborts_left:
+            self.abort_requests(self._aborts_left.pop(seq))
+            return
+        self._aborts_done.add(seq)
+        self.abort_requests(request_ids)
+
+    def _apply_early_aborts(self) -> None:
+        """Between a forward and its update: aborts the requests the core holds now. Ids
+        it does not hold may still be on their way; those are left to the in-order copy."""
+        while True:
+            try:
+                seq, request_ids = self._early_aborts.get_nowait()
+            except queue.Empty:
+                return
+            if seq in self._aborts_done:  # the in-order copy came first and did it all
+                self._aborts_done.remove(seq)
+            else:
+                self._aborts_left[seq] = self.abort_requests(request_ids)
+
     # -- stepping --------------------------------------------------------------------
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
@@ -92,7 +128,7 @@ class EngineCore:
             # compile thread needs the core), a few ms at a time so inputs are still read.
             self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammar, 0.005)
         runner_output = self.model_runner.execute_model(scheduler_output)
-        self.pending_aborts_hook()
+        self._apply_early_aborts()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.check_invariants:
             self.scheduler.check_invariants()

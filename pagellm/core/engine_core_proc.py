@@ -9,7 +9,6 @@ and when its parent process dies.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import pickle
 import queue
@@ -44,16 +43,8 @@ class EngineCoreProc:
         self.engine = engine
         self.rank = rank
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
-        self.aborts_queue: queue.Queue[tuple[int, list[str]]] = queue.Queue()
-        # An abort goes into both queues: the copy in aborts_queue is applied between a
-        # forward and its update (so an aborted request emits nothing more), the one in
-        # input_queue in order with the adds. See _abort_early / _abort_in_order.
-        self._abort_seq = itertools.count()
-        self._aborts_done: set[int] = set()
-        self._aborts_left: dict[int, list[str]] = {}
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = False
-        self.engine.pending_aborts_hook = self._apply_pending_aborts
         self._threads = [
             threading.Thread(target=self._input_loop, args=(input_address,), daemon=True),
             threading.Thread(target=self._output_loop, args=(output_address,), daemon=True),
@@ -88,9 +79,10 @@ class EngineCoreProc:
             request = serial.request_decoder.decode(payload)
             self.input_queue.put((req_type, self.engine.preprocess_add_request(request)))
         elif req_type == EngineCoreRequestType.ABORT:
-            item = (next(self._abort_seq), serial.abort_decoder.decode(payload))
-            self.aborts_queue.put(item)
-            self.input_queue.put((req_type, item))
+            request_ids = serial.abort_decoder.decode(payload)
+            # the engine core applies it at once (between forward and update) and again
+            # in order with the adds queued before it
+            self.input_queue.put((req_type, (self.engine.receive_abort(request_ids), request_ids)))
         else:
             self.input_queue.put((req_type, serial.utility_decoder.decode(payload)))
 
@@ -139,7 +131,7 @@ class EngineCoreProc:
         if req_type == EngineCoreRequestType.ADD:
             self.engine.add_request(payload)
         elif req_type == EngineCoreRequestType.ABORT:
-            self._abort_in_order(*payload)
+            self.engine.abort_in_order(*payload)
         else:
             call_id, method, args = payload
             try:
@@ -148,33 +140,6 @@ class EngineCoreProc:
             except Exception as e:  # reported to the caller, not fatal
                 out = UtilityOutput(call_id, f"{type(e).__name__}: {e}", None)
             self.output_queue.put(EngineCoreOutputs(engine_index=self.rank, utility_output=out))
-
-    def _apply_pending_aborts(self) -> None:
-        """Called by EngineCore.step between the forward and the update, so a request
-        aborted while the forward ran emits nothing more."""
-        while True:
-            try:
-                self._abort_early(*self.aborts_queue.get_nowait())
-            except queue.Empty:
-                return
-
-    def _abort_early(self, seq: int, request_ids: list[str]) -> None:
-        """The copy met during a step: aborts the requests the core holds now. Ids it does
-        not hold may still be on their way (their ADD behind this abort in input_queue);
-        those are left to the in-order copy."""
-        if seq in self._aborts_done:  # the in-order copy came first and did it all
-            self._aborts_done.remove(seq)
-            return
-        self._aborts_left[seq] = self.engine.abort_requests(request_ids)
-
-    def _abort_in_order(self, seq: int, request_ids: list[str]) -> None:
-        """The copy met in order with the adds: aborts what the early copy could not.
-        Anything added after it is a newer request (an id reused), which it leaves alone."""
-        if seq in self._aborts_left:
-            self.engine.abort_requests(self._aborts_left.pop(seq))
-            return
-        self._aborts_done.add(seq)
-        self.engine.abort_requests(request_ids)
 
     def send_dead(self) -> None:
         self.output_queue.put(ENGINE_CORE_DEAD)

@@ -25,12 +25,6 @@ class LLM:
         kwargs.setdefault("disable_log_stats", True)
         multiprocess_mode = kwargs.pop("multiprocess_mode", None)
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        if engine_args.data_parallel_size > 1:
-            raise ValueError(
-                "LLM(data_parallel_size>1) is not supported: for offline data parallelism run one "
-                "process per rank, each with its own LLM(...) over its share of the prompts, or "
-                "use `pagellm serve --data-parallel-size N` for online serving."
-            )
         self.llm_engine = LLMEngine.from_engine_args(engine_args, multiprocess_mode)
         self._request_counter = itertools.count()
 

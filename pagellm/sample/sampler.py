@@ -13,9 +13,8 @@ import torch
 from pagellm.outputs import LogprobsLists
 from pagellm.sample import ops
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sampling_params import SAMPLING_EPS
 from pagellm.structured_output.backend_types import apply_token_bitmask
-
-_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -121,7 +120,7 @@ class Sampler:
             assert greedy is not None
             return greedy
         temperature = metadata.temperature.to(logits.device)
-        is_greedy_row = temperature < _GREEDY_EPS
+        is_greedy_row = temperature < SAMPLING_EPS
         # Greedy rows take the argmax below; give them a harmless divisor meanwhile.
         logits.div_(torch.where(is_greedy_row, 1.0, temperature).unsqueeze(1))
         if metadata.min_p is not None:

@@ -22,12 +22,12 @@ from pagellm.attention.backend import (
     set_forward_context,
 )
 from pagellm.config import EngineConfig
-from pagellm.core.sched.output import SchedulerOutput
 from pagellm.logger import init_logger
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
+from pagellm.scheduler_output import SchedulerOutput
 from pagellm.utils import cdiv
 from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
 
@@ -203,7 +203,14 @@ class ModelRunner:
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         ):
             batch.append_blocks(req_id, block_ids)
-            batch.num_computed_tokens[batch.req_id_to_index[req_id]] = num_computed
+            # The scheduler owns the count; the runner advanced its copy as it ran the
+            # tokens. Apart, one of them lost track of the KV cache's contents.
+            mine = int(batch.num_computed_tokens[batch.req_id_to_index[req_id]])
+            if mine != num_computed:
+                raise RuntimeError(
+                    f"request {req_id}: the scheduler counts {num_computed} computed tokens, "
+                    f"the model runner {mine}"
+                )
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
         """Flattens the scheduled requests (in row order) into one token batch.

@@ -18,10 +18,10 @@ from pagellm.core.protocol import (
     FinishReason,
 )
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched.output import SchedulerOutput
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.scheduler_output import SchedulerOutput
 
 # -- helpers ------------------------------------------------------------------------------
 

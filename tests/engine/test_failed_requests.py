@@ -14,8 +14,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.engine_core import EngineCore
-from pagellm.core.engine_core_proc import EngineCoreProc
-from pagellm.core.protocol import EngineCoreRequest, EngineCoreRequestType
+from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
@@ -125,36 +124,25 @@ def test_preempted_requests_resume_exactly(model) -> None:
 def test_each_abort_copy_does_its_part(model) -> None:
     """The core gets each abort twice: early (between a forward and its update) and in
     order with the adds. A late copy must not hit a new request that reuses the id; an
-    early copy that comes before its request's ADD must not lose the abort."""
-    import itertools
-    import queue
-
+    early copy that comes before its request's ADD must not lose the abort. EngineCore
+    keeps this bookkeeping; the process shell only passes the copies on."""
     config = EngineArgs(model=model).create_engine_config()
     core = EngineCore(config)
-    proc = EngineCoreProc.__new__(EngineCoreProc)  # the message handling, without sockets
-    proc.engine, proc.rank = core, 0
-    proc.aborts_queue, proc.input_queue = queue.Queue(), queue.Queue()
-    proc._abort_seq, proc._aborts_done, proc._aborts_left = itertools.count(), set(), {}
 
     def request(rid: str) -> EngineCoreRequest:
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         params.all_stop_token_ids = []
         return EngineCoreRequest(rid, PROMPTS[0]["prompt_token_ids"], params, time.time())
 
-    def abort(rid: str) -> tuple[int, list[str]]:
-        item = (next(proc._abort_seq), [rid])
-        proc.aborts_queue.put(item)
-        return item
-
     try:
         # 1. in-order copy first (aborts the old A), a new A, then the early copy: A lives
         core.add_request(request("A"))
         core.step()
-        item = abort("A")
-        proc._handle(EngineCoreRequestType.ABORT, item)
+        seq = core.receive_abort(["A"])
+        core.abort_in_order(seq, ["A"])
         assert "A" not in core.scheduler.requests
         core.add_request(request("A"))
-        proc._apply_pending_aborts()
+        core._apply_early_aborts()
         assert "A" in core.scheduler.requests and not core.scheduler.requests["A"].is_finished()
         tokens = []
         while core.scheduler.has_requests():
@@ -163,13 +151,14 @@ def test_each_abort_copy_does_its_part(model) -> None:
         assert len(tokens) == 4
         # 2. ADD then ABORT arrive during a forward: the early copy finds nothing yet, the
         # in-order copy (after the ADD) must still abort it
-        item = abort("B")
-        proc._apply_pending_aborts()
+        seq = core.receive_abort(["B"])
+        core._apply_early_aborts()
         core.add_request(request("B"))
-        proc._handle(EngineCoreRequestType.ABORT, item)
+        core.abort_in_order(seq, ["B"])
         assert core.scheduler.requests == {}
         pool = core.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
+        assert not core._aborts_left and not core._aborts_done  # nothing kept past its use
     finally:
         core.shutdown()
 

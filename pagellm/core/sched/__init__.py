@@ -1,13 +1,9 @@
-"""Scheduling: the Scheduler, its waiting queues and the scheduler -> runner contract.
+"""Scheduling: the Scheduler and its waiting queues.
 
-Pure Python (no torch): decides what runs each step; the model runner executes it.
+Decides what runs each step; the model runner executes it. The contract between them,
+SchedulerOutput, lives in pagellm/scheduler_output.py (neither core nor worker owns it).
 """
 
-from pagellm.core.sched.output import (
-    CachedRequestData,
-    NewRequestData,
-    SchedulerOutput,
-)
 from pagellm.core.sched.request_queue import (
     FCFSRequestQueue,
     PriorityRequestQueue,
@@ -17,12 +13,9 @@ from pagellm.core.sched.request_queue import (
 from pagellm.core.sched.scheduler import Scheduler
 
 __all__ = [
-    "CachedRequestData",
     "FCFSRequestQueue",
-    "NewRequestData",
     "PriorityRequestQueue",
     "RequestQueue",
     "Scheduler",
-    "SchedulerOutput",
     "create_request_queue",
 ]

@@ -20,14 +20,14 @@ from pagellm.core.protocol import (
     SchedulerStats,
 )
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sched.output import (
+from pagellm.core.sched.request_queue import create_request_queue
+from pagellm.logger import init_logger
+from pagellm.outputs import LogprobsLists, ModelRunnerOutput
+from pagellm.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.core.sched.request_queue import create_request_queue
-from pagellm.logger import init_logger
-from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from pagellm.config import CacheConfig, SchedulerConfig

@@ -186,6 +186,6 @@ def as_openai_error(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, EngineDeadError):
         return engine_dead_error()
-    if isinstance(e, (ValueError, TypeError)):
+    if isinstance(e, ValueError):  # the request's fault; a TypeError is ours (500)
         return OpenAIError(str(e))
     return OpenAIError(f"Internal error: {type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)

@@ -1,8 +1,9 @@
 """The scheduler -> model runner contract for one step: SchedulerOutput.
 
-The scheduler knows no tensors and the runner knows no policy: this dataclass is all
-that goes to the runner. New requests arrive in full; running ones as diffs. The reply,
-ModelRunnerOutput, is in pagellm/outputs.py.
+The runner knows no policy: this dataclass is all that goes to it. New requests arrive
+in full; running ones as diffs; structured outputs add the step's token bitmask. It lives
+outside `core` and `worker` (vLLM: v1/core/sched/output.py) so that neither imports the
+other; the reply, ModelRunnerOutput, is in pagellm/outputs.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     # Block ids appended to each request's block table this step.
     new_block_ids: list[list[int]] = field(default_factory=list)
-    # Tokens computed before this step (the runner checks it against its own count).
+    # Tokens computed before this step; the runner checks it against its own count.
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property
