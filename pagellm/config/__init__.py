@@ -50,13 +50,15 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        from pagellm.model_executor.arch_config import num_kv_heads_of
+
+        return num_kv_heads_of(self.hf_config)
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
-        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        from pagellm.model_executor.arch_config import head_dim_of
+
+        return head_dim_of(self.hf_config)
 
     @property
     def vocab_size(self) -> int:

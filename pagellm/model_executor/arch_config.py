@@ -48,3 +48,13 @@ class ArchConfig:
     def __repr__(self) -> str:
         keys = ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")
         return "ArchConfig(" + ", ".join(f"{k}={self.__dict__.get(k)!r}" for k in keys) + ")"
+
+
+def head_dim_of(config: Any) -> int:
+    """Per-head size: config.head_dim where given (Qwen3, Gemma), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    """KV heads: num_key_value_heads where given (GQA), else one per attention head."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagellm.model_executor.arch_config import num_kv_heads_of
 from pagellm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -356,7 +357,7 @@ def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | N
     index = GGUFIndex(path)
     arch = index.architecture
     n_heads = hf_config.num_attention_heads
-    n_kv = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    n_kv = num_kv_heads_of(hf_config)
     for tensor in index.tensors:
         hf_name = _gguf_hf_name(tensor.name)
         if hf_name is None:

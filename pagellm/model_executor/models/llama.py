@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.model_executor.arch_config import head_dim_of, num_kv_heads_of
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
@@ -34,10 +35,6 @@ STACKED_PARAMS: list[tuple[str, str, int]] = [
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 ]
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
