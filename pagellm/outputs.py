@@ -25,6 +25,10 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[list[float]]  # [num_positions][1 + k]
     ranks: list[int]  # [num_positions] rank of the sampled/prompt token (1 = best)
 
+    def first(self, n: int) -> LogprobsLists:
+        """The first n positions (tokens after a stop were sampled but are not kept)."""
+        return LogprobsLists(self.logprob_token_ids[:n], self.logprobs[:n], self.ranks[:n])
+
 
 @dataclass
 class ModelRunnerOutput:

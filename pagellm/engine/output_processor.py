@@ -168,13 +168,11 @@ class RequestState:
         """Appends logprobs of the first num_tokens new tokens (the rest were trimmed)."""
         if self.logprobs is None or new is None or num_tokens == 0:
             return
-        trimmed = LogprobsLists(
-            new.logprob_token_ids[:num_tokens], new.logprobs[:num_tokens], new.ranks[:num_tokens]
-        )
-        positions = convert_logprobs(self.tokenizer, trimmed, self.num_logprobs or 0)
+        kept = new.first(num_tokens)
+        positions = convert_logprobs(self.tokenizer, kept, self.num_logprobs or 0)
         self.logprobs.extend(positions)
         assert self.cumulative_logprob is not None
-        self.cumulative_logprob += sum(lps[0] for lps in trimmed.logprobs)
+        self.cumulative_logprob += sum(lps[0] for lps in kept.logprobs)
 
     def update_prompt_logprobs(self, new: LogprobsLists | None) -> None:
         if self.prompt_logprobs is None or new is None:

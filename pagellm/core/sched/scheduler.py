@@ -22,7 +22,7 @@ from pagellm.core.protocol import (
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.request_queue import create_request_queue
 from pagellm.logger import init_logger
-from pagellm.outputs import LogprobsLists, ModelRunnerOutput
+from pagellm.outputs import ModelRunnerOutput
 from pagellm.scheduler_output import (
     CachedRequestData,
     NewRequestData,
@@ -428,7 +428,7 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
         if logprobs is not None:
             # Rows after a stop token were sampled but not kept.
-            logprobs = _slice_logprobs(logprobs, len(new_token_ids)) if new_token_ids else None
+            logprobs = logprobs.first(len(new_token_ids)) if new_token_ids else None
         finished = request.is_finished()
         if not new_token_ids and not finished and prompt_logprobs is None:
             return None
@@ -527,11 +527,3 @@ class Scheduler:
         for r in self.waiting_for_grammar:
             assert r.status == RequestStatus.WAITING_FOR_FSM, r
             assert r.num_computed_tokens == 0, r
-
-
-def _slice_logprobs(logprobs: LogprobsLists, n: int) -> LogprobsLists:
-    return LogprobsLists(
-        logprob_token_ids=logprobs.logprob_token_ids[:n],
-        logprobs=logprobs.logprobs[:n],
-        ranks=logprobs.ranks[:n],
-    )
