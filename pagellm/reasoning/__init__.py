@@ -10,6 +10,7 @@ from pagellm.reasoning.abs_reasoning_parsers import (
 )
 from pagellm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
 from pagellm.reasoning.qwen3_reasoning_parser import Qwen3ReasoningParser
+from pagellm.utils import lookup
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
@@ -18,11 +19,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        accepted = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; accepted: {accepted}") from None
+    return lookup(REASONING_PARSERS, name, "reasoning parser")
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
 from pagellm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagellm.entrypoints.openai.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
 from pagellm.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
+from pagellm.utils import lookup
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -27,11 +28,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        accepted = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool call parser {name!r}; accepted: {accepted}") from None
+    return lookup(TOOL_PARSERS, name, "tool call parser")
 
 
 __all__ = [
