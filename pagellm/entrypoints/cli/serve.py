@@ -18,6 +18,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template); refused with 400 otherwise, since "
                         "the server runs it.")
+    p.add_argument("--disable-ui", action="store_true",
+                   help="Serve the API only: no chat page at / and no dashboard at /dashboard.")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",

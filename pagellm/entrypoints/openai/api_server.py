@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     engine_dead_error,
 )
+from pagellm.entrypoints.ui import mount_ui
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
@@ -92,7 +93,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, enable_ui: bool = True) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics,
@@ -179,6 +180,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         completions.check_token_ids(request.tokens, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
 
+    if enable_ui:  # the chat page at / and the dashboard at /dashboard
+        mount_ui(app)
     return app
 
 
@@ -216,7 +219,8 @@ def run_server(args: Any) -> int:
                 mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    enable_ui=not args.disable_ui)
 
     @app.on_event("startup")
     async def _start_logging() -> None:
