@@ -423,6 +423,8 @@
     setTimeout(poll, INTERVAL_MS);
   }
 
+  dash.quantile = quantile; // pure helpers, for tests and the console
+  dash.parseMetrics = parseMetrics;
   buildCharts();
   document.getElementById("window").addEventListener("change", redraw);
   window.addEventListener("resize", redraw);
