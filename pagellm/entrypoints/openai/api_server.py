@@ -227,6 +227,8 @@ def run_server(args: Any) -> int:
         if prometheus is not None:
             app.state.log_task = asyncio.create_task(_log_periodically(log_logger, config.observability_config.log_stats_interval))
         logger.info("Serving %s at http://%s:%d/v1", names[0], args.host, args.port)
+        if not args.disable_ui:
+            logger.info("Chat page at http://%s:%d/ and engine dashboard at /dashboard", args.host, args.port)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         # uvicorn stops serving on SIGTERM and then raises the signal again once its own
