@@ -70,6 +70,7 @@ def browser(tmp_path_factory) -> Iterator[Any]:
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
                            {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd("Browser.grantPermissions", {"permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
     driver.downloads = tmp_path_factory.mktemp("downloads")
     driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(driver.downloads)})
     yield driver
@@ -194,7 +195,9 @@ def test_reply_streams_and_equals_the_api(server, model, browser) -> None:
     partial = sorted({n for state, n, _ in frames if state == "streaming" and 0 < n < final})
     assert len(partial) >= 2  # the text grew over at least two frames before it ended
     stats = browser.find_element(By.CSS_SELECTOR, "#messages article.assistant .stats").text
-    assert re.fullmatch(rf"{reply['stats']['tokens']} tokens · TTFT \d+\.\d\d s · \d+\.\d tokens/s", stats)
+    cut = " · max tokens reached" if expected["choices"][0]["finish_reason"] == "length" else ""
+    assert re.fullmatch(rf"{reply['stats']['tokens']} tokens · TTFT \d+\.\d\d s · \d+\.\d tokens/s{cut}", stats)
+    assert reply["finish"] == expected["choices"][0]["finish_reason"]
     check_layout_and_screenshot(browser, "chat")
 
 
@@ -325,6 +328,28 @@ def test_export_then_import_round_trips(server, browser) -> None:
     assert stored == conversations
     titles = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#conversation-list .open-conversation")]
     assert titles == ["first", "second"]
+    copy = browser.find_element(By.CSS_SELECTOR, "#messages article.assistant .copy-reply")
+    copy.click()
+    wait_for(lambda: copy.text == "Copied", 10, "the copy")
+    assert browser.execute_async_script(
+        "navigator.clipboard.readText().then(arguments[0], e => arguments[0]('error: ' + e))") == "hello"
+
+
+def test_server_errors_show_in_the_reply(server, model, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, server, settings={"system": "Be brief.", "temperature": 0, "top_p": 1, "max_tokens": 5000})
+    send_message(browser, "Hi")
+    reply = wait_reply_done(browser, timeout=60)
+    expected = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={
+        "model": model, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 5000})
+    assert expected.status_code == 400
+    message = expected.json()["error"]["message"]
+    assert message.startswith("'max_tokens' is too large: 5000.")
+    assert reply["error"] == message and reply["content"] == ""
+    assert browser.find_element(By.CSS_SELECTOR, "#messages article.assistant .error").text == message
+    assert last_reply_state(browser) == "error"
 
 
 def test_api_key_is_asked_for_then_used(server, model, browser) -> None:

@@ -54,6 +54,7 @@
     if (m.stats) out.stats = m.stats;
     if (m.error) out.error = m.error;
     if (m.stopped) out.stopped = true;
+    if (m.finish) out.finish = m.finish;
     return out;
   }
 
@@ -75,6 +76,7 @@
         if (typeof m.reasoning === "string") msg.reasoning = m.reasoning;
         if (typeof m.error === "string") msg.error = m.error;
         if (m.stopped === true) msg.stopped = true;
+        if (m.finish === "stop" || m.finish === "length") msg.finish = m.finish;
         if (m.stats && typeof m.stats === "object") {
           const s = {};
           for (const k of ["tokens", "ttft", "tps"]) if (Number.isFinite(m.stats[k])) s[k] = m.stats[k];
@@ -243,7 +245,7 @@
           firstAt = performance.now();
           msg.phase = "streaming";
         }
-        if (choice.finish_reason) msg.finishReason = choice.finish_reason;
+        if (choice.finish_reason) msg.finish = choice.finish_reason;
         scheduleUpdate(msg);
       });
     } catch (e) {
@@ -370,7 +372,8 @@
     node.querySelector(".error").hidden = !m.error;
     const stats = node.querySelector(".stats");
     const text = m.stats ? statsText(m.stats) : "";
-    stats.textContent = (m.stopped ? "stopped" + (text ? " · " : "") : "") + text;
+    const parts = [m.stopped ? "stopped" : "", text, m.finish === "length" ? "max tokens reached" : ""];
+    stats.textContent = parts.filter(Boolean).join(" · ");
     if (m.stats) {
       for (const k of ["tokens", "ttft", "tps"]) if (m.stats[k] !== undefined) stats.dataset[k] = String(m.stats[k]);
     }
