@@ -381,6 +381,7 @@ def test_api_key_is_asked_for_then_used(server, model, browser) -> None:
 
 def test_dashboard_follows_16_requests(server, model, browser) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     def series(metric: str) -> list[list[float]]:
         return browser.execute_script("return window.pagellmDashboard.series[arguments[0]]['0'] || []", metric)
@@ -410,6 +411,7 @@ def test_dashboard_follows_16_requests(server, model, browser) -> None:
     assert latest == {"running": 0, "waiting": 0}
     assert json.loads(browser.find_element(By.ID, "chart-kv").get_attribute("data-latest")) == {"usage": 0}
     assert browser.find_element(By.CSS_SELECTOR, "#tile-finished .value").text != "0"
+    Select(browser.find_element(By.ID, "window")).select_by_value("60")  # the burst, readable
     check_layout_and_screenshot(browser, "dashboard")
 
 
