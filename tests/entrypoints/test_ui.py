@@ -474,3 +474,32 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
         assert console_errors(browser) == []
     finally:
         srv.stop()
+
+
+def test_dashboard_marks_a_restart(tiny_model, browser, monkeypatch) -> None:
+    """The server goes away and a new one starts on the same port: the page reports the gap
+    and marks a restart where the counters went back to zero."""
+    import tests.entrypoints.openai.conftest as server_conftest
+
+    model = tiny_model("llama")
+    first = ServerProcess(model, "--max-model-len", "256")
+    try:
+        open_page(browser, first, path="/dashboard")
+        r = httpx.post(first.url + "/v1/completions", headers=AUTH, json={"prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 200
+        wait_for(lambda: browser.execute_script(
+            "const s = window.pagellmDashboard.snapshots; return s.length && s[s.length - 1].engines['0'].generation > 0"),
+            30, "the dashboard to see the first server's tokens")
+    finally:
+        first.stop()
+    wait_for(lambda: browser.execute_script("return window.pagellmDashboard.lastError"), 30, "the gap")
+    assert browser.find_element("id", "status").text.startswith("Cannot read /metrics")
+    monkeypatch.setattr(server_conftest, "_free_port", lambda: first.port)
+    second = ServerProcess(model, "--max-model-len", "256")
+    try:
+        markers = wait_for(lambda: browser.execute_script(
+            "return window.pagellmDashboard.markers.filter(m => m.kind === 'restart')"), 60, "a restart marker")
+        assert [(m["engine"], m["count"]) for m in markers] == [("0", 1)]
+        assert browser.execute_script("return window.pagellmDashboard.lastError") is None
+    finally:
+        second.stop()
