@@ -23,6 +23,15 @@ if ! command -v cc >/dev/null && ! command -v gcc >/dev/null; then
         echo "note: no C compiler found; GGUF models will run dequantized (install gcc for the fast path)" >&2
     fi
 fi
+# The chat page and dashboard tests drive a headless Chromium through its driver.
+if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null \
+            || echo "note: could not install chromium; the browser tests will be skipped" >&2
+    else
+        echo "note: install chromium and chromedriver to run the browser tests (they are skipped without)" >&2
+    fi
+fi
 if [ "${1:-}" = "--test" ]; then
     $PIP -e ".[test]"
 else

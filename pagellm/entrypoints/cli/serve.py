@@ -24,6 +24,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>, also "
                         "what the generic tool prompt asks for), llama3_json or pythonic.")
+    p.add_argument("--disable-ui", action="store_true",
+                   help="Serve the API only: no chat page at / and no dashboard at /dashboard.")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",

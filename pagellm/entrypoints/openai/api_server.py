@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     engine_dead_error,
 )
+from pagellm.entrypoints.ui import mount_ui
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
@@ -93,7 +94,7 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False) -> FastAPI:
+              enable_auto_tool_choice: bool = False, enable_ui: bool = True) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics,
@@ -182,6 +183,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         completions.check_token_ids(request.tokens, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(request.tokens)})
 
+    if enable_ui:  # the chat page at / and the dashboard at /dashboard
+        mount_ui(app)
     return app
 
 
@@ -221,13 +224,16 @@ def run_server(args: Any) -> int:
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    enable_ui=not args.disable_ui)
 
     @app.on_event("startup")
     async def _start_logging() -> None:
         if prometheus is not None:
             app.state.log_task = asyncio.create_task(_log_periodically(log_logger, config.observability_config.log_stats_interval))
         logger.info("Serving %s at http://%s:%d/v1", names[0], args.host, args.port)
+        if not args.disable_ui:
+            logger.info("Chat page at http://%s:%d/ and engine dashboard at /dashboard", args.host, args.port)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         # uvicorn stops serving on SIGTERM and then raises the signal again once its own
