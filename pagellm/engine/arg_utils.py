@@ -198,6 +198,7 @@ class EngineArgs:
     # -- config --------------------------------------------------------------------------
 
     def create_engine_config(self) -> EngineConfig:
+        from pagellm.entrypoints.openai.model_names import served_model_names
         from pagellm.model_executor import loader
 
         self._verify_args()
@@ -211,7 +212,7 @@ class EngineArgs:
             dtype=self._resolve_dtype(hf_config, device),
             max_model_len=self._resolve_max_model_len(hf_config),
             seed=self.seed,
-            served_model_name=self.served_model_names[0] if self.served_model_names else (self.model or _default_name(model_path)),
+            served_model_name=served_model_names(self.model, model_path, self.served_model_names).served[0],
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),
@@ -315,12 +316,6 @@ class EngineArgs:
                 f"max_model_len ({self.max_model_len}) is larger than the model's context length ({limit})."
             )
         return self.max_model_len
-
-
-def _default_name(model_path: str) -> str:
-    import os
-
-    return os.path.basename(model_path.rstrip(os.sep))
 
 
 def normalize_config(name: str, value: Any, cls: type) -> Any:
