@@ -31,8 +31,9 @@ def _float(name: str, default: float) -> float:
 # ms) before it sleeps: between the many small parallel regions of a decode step the
 # threads never sleep, so a neighbour on one core stalls the thread that shares its core
 # while the other spins, and throughput falls 3-6x instead of the 2x of one core lost.
-# Passive waiting (sleep at once) keeps that near the 2x and costs a quiet machine
-# nothing measurable (benchmarks/contention.py, figures in benchmarks/README.md).
+# Passive waiting (sleep at once) measured 1.4x there, and no loss on a quiet machine,
+# where spinning also takes the core the frontend process needs (benchmarks/contention.py,
+# figures in benchmarks/README.md).
 # libgomp reads these once, when torch loads it: they must be in the environment before
 # `import torch`, in every process that computes (the engine core inherits them).
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
