@@ -31,8 +31,9 @@ def _float(name: str, default: float) -> float:
 # ms) before it sleeps: between the many small parallel regions of a decode step the
 # threads never sleep, so a neighbour on one core stalls the thread that shares its core
 # while the other spins, and throughput falls 3-6x instead of the 2x of one core lost.
-# Passive waiting (sleep at once) measured 1.4x there, and no loss on a quiet machine,
-# where spinning also takes the core the frontend process needs (benchmarks/contention.py,
+# Passive waiting (sleep at once) measured 1.6x there instead of 3.1x, and no loss on a
+# quiet machine with the engine core in its own process, where spinning takes the core
+# the frontend needs; in-process it costs a quiet machine ~11% (benchmarks/contention.py,
 # figures in benchmarks/README.md).
 # libgomp reads these once, when torch loads it: they must be in the environment before
 # `import torch`, in every process that computes (the engine core inherits them).
