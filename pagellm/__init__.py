@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagellm.envs import apply_openmp_defaults
+
+apply_openmp_defaults()  # before anything imports torch (see envs.OPENMP_DEFAULTS)
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

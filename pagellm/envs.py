@@ -26,6 +26,30 @@ def _float(name: str, default: float) -> float:
     return default if value is None or value == "" else float(value)
 
 
+# OpenMP's wait policy, chosen for a machine shared with other programs (a laptop with a
+# browser open). libgomp's default spins a waiting thread for ~300000 iterations (a few
+# ms) before it sleeps: between the many small parallel regions of a decode step the
+# threads never sleep, so a neighbour on one core stalls the thread that shares its core
+# while the other spins, and throughput falls 3-6x instead of the 2x of one core lost.
+# Passive waiting (sleep at once) measured 1.6x there instead of 3.1x, and no loss on a
+# quiet machine with the engine core in its own process, where spinning takes the core
+# the frontend needs; in-process it costs a quiet machine ~11% (benchmarks/contention.py,
+# figures in benchmarks/README.md).
+# libgomp reads these once, when torch loads it: they must be in the environment before
+# `import torch`, in every process that computes (the engine core inherits them).
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Any of these set by the user means the user chose: pagellm then sets nothing.
+_OPENMP_USER_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def apply_openmp_defaults() -> None:
+    """Puts OPENMP_DEFAULTS into os.environ unless the user set a wait policy of their own.
+    Called when pagellm is imported. If torch was imported first, this process keeps
+    libgomp's default, but engine-core processes started from it still get these."""
+    if not any(v in os.environ for v in _OPENMP_USER_VARS):
+        os.environ.update(OPENMP_DEFAULTS)
+
+
 def __getattr__(name: str):
     # Read lazily so tests and subprocesses see changes made after import.
     if name in _VARS:

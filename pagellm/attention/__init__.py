@@ -8,8 +8,10 @@ assumed here. Backends are imported lazily so optional kernels cost nothing unti
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from pagellm.attention.backend import AttentionBackend
+if TYPE_CHECKING:  # backend.py needs torch; the CLI lists the names without it
+    from pagellm.attention.backend import AttentionBackend
 
 # backend name (its get_name()) -> (module, class name)
 _BACKENDS: dict[str, tuple[str, str]] = {
@@ -27,6 +29,8 @@ def get_attn_backend(name: str) -> type[AttentionBackend]:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(available_attn_backends())}"
         )
+    from pagellm.attention.backend import AttentionBackend
+
     module_name, cls_name = _BACKENDS[name]
     cls = getattr(importlib.import_module(module_name), cls_name)
     if not issubclass(cls, AttentionBackend):

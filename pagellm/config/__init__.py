@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the CLI parses and checks flags without loading torch
+    import torch
 
 
 @dataclass(frozen=True)

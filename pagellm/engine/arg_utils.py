@@ -12,12 +12,11 @@ import ast
 import dataclasses
 import functools
 import inspect
+import sys
 import textwrap
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, get_args, get_origin
-
-import torch
+from typing import TYPE_CHECKING, Any, get_args, get_origin
 
 from pagellm.attention import available_attn_backends
 from pagellm.config import (
@@ -32,6 +31,9 @@ from pagellm.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+
+if TYPE_CHECKING:  # torch loads with the model, not to parse and check the CLI's flags
+    import torch
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
@@ -61,12 +63,12 @@ _VLLM_DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
 }
 """vLLM engine arguments accepted by LLM(...) at these values only (not CLI flags)."""
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+_DTYPES = {  # name -> torch attribute
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 
@@ -197,7 +199,8 @@ class EngineArgs:
                         f"{name}={value!r} is not supported by pagellm (accepted: "
                         f"{', '.join(repr(d) for d in defaults)})."
                     )
-        if isinstance(kwargs.get("dtype"), torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes
+        torch = sys.modules.get("torch")  # a torch.dtype means the caller imported torch
+        if torch is not None and isinstance(kwargs.get("dtype"), torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -211,9 +214,10 @@ class EngineArgs:
     # -- config --------------------------------------------------------------------------
 
     def create_engine_config(self) -> EngineConfig:
+        from pagellm.entrypoints.openai.model_names import served_model_names
         from pagellm.model_executor import loader
 
-        self._verify_args()
+        self.verify_args()
         device = self._resolve_device()
         model_path = loader.resolve_model_path(self.model)
         hf_config = loader.load_hf_config(model_path)
@@ -224,7 +228,7 @@ class EngineArgs:
             dtype=self._resolve_dtype(hf_config, device),
             max_model_len=self._resolve_max_model_len(hf_config),
             seed=self.seed,
-            served_model_name=self.served_model_names[0] if self.served_model_names else (self.model or _default_name(model_path)),
+            served_model_name=served_model_names(self.model, model_path, self.served_model_names).served[0],
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),
@@ -272,7 +276,9 @@ class EngineArgs:
             ),
         )
 
-    def _verify_args(self) -> None:
+    def verify_args(self) -> None:
+        """Checks each option on its own (no model needed; the CLI calls this before loading)."""
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -313,6 +319,8 @@ class EngineArgs:
             get_reasoning_parser(parser)  # ValueError naming the accepted parsers
 
     def _resolve_device(self) -> str:
+        import torch
+
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -320,13 +328,15 @@ class EngineArgs:
         return self.device
 
     def _resolve_dtype(self, hf_config: Any, device: str) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device == "cpu":
             return torch.float32
         ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(ckpt, str):
-            ckpt = _DTYPES.get(ckpt)
+            ckpt = getattr(torch, _DTYPES[ckpt]) if ckpt in _DTYPES else None
         if ckpt in (torch.float16, torch.bfloat16):
             return ckpt
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -347,12 +357,6 @@ class EngineArgs:
                 f"max_model_len ({self.max_model_len}) is larger than the model's context length ({limit})."
             )
         return self.max_model_len
-
-
-def _default_name(model_path: str) -> str:
-    import os
-
-    return os.path.basename(model_path.rstrip(os.sep))
 
 
 def normalize_config(name: str, value: Any, cls: type) -> Any:

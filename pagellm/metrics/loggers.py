@@ -85,7 +85,11 @@ class PrometheusStatLogger:
 
 
 class LoggingStatLogger:
-    """Accumulates throughput and prints one line per interval."""
+    """Accumulates throughput and prints one line per interval while there is news: tokens
+    processed, or running/waiting counts other than the last line showed. The first
+    quiet interval after work gets one line (zero throughput), then nothing until work
+    comes back, so an idle server's log stays still. (Quiet is judged by news, not by a
+    running count of 0: the counts come with engine steps, and none follows an abort.)"""
 
     def __init__(self, num_engines: int = 1):
         self.last_log = time.monotonic()
@@ -93,6 +97,8 @@ class LoggingStatLogger:
         self.generation_tokens = 0
         self.sched: dict[int, SchedulerStats] = {}
         self.num_engines = num_engines
+        self.shown_counts = (0, 0)  # (running, waiting) of the last line
+        self.quiet_logged = True  # a server that has not worked yet has nothing to say
 
     def record(self, sched: SchedulerStats | None, it: IterationStats | None, engine_index: int = 0) -> None:
         if sched is not None:
@@ -101,19 +107,25 @@ class LoggingStatLogger:
             self.prompt_tokens += it.num_prompt_tokens
             self.generation_tokens += it.num_generation_tokens
 
-    def log(self) -> str:
+    def log(self) -> str | None:
+        """Logs and returns this interval's line, or None when it stays quiet."""
         now = time.monotonic()
         elapsed = max(now - self.last_log, 1e-9)
         stats = list(self.sched.values())
         running = sum(s.num_running_reqs for s in stats)
         waiting = sum(s.num_waiting_reqs for s in stats)
         usage = max((s.kv_cache_usage for s in stats), default=0.0)
-        line = (
-            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
-            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
-            f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%"
-        )
-        logger.info(line)
+        quiet = not (self.prompt_tokens or self.generation_tokens) and (running, waiting) == self.shown_counts
+        line = None
+        if not (quiet and self.quiet_logged):
+            line = (
+                f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%"
+            )
+            logger.info(line)
+            self.shown_counts = (running, waiting)
+        self.quiet_logged = quiet
         self.prompt_tokens = self.generation_tokens = 0
         self.last_log = now
         return line

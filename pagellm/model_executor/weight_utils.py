@@ -276,7 +276,7 @@ class GGUFIndex:
     """The parts of a GGUF file the weight loaders need, read without building Python
     objects for the metadata (a vocabulary is ~100k fields: gguf's GGUFReader spends
     ~0.5 s and ~75 MB on them, which the engine process would keep): the architecture,
-    and the tensor index over a read-only memory map."""
+    the model's name (`general.name`), and the tensor index over a read-only memory map."""
 
     _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -326,11 +326,14 @@ class GGUFIndex:
             pos = 8  # magic, version
             n_tensors, n_kv = take("<Q"), take("<Q")
             self.architecture: str | None = None
+            self.name: str | None = None
             alignment = 32
             for _ in range(n_kv):
                 key, vtype = string(), take("<I")
                 if key == "general.architecture" and vtype == self._STRING:
                     self.architecture = string()
+                elif key == "general.name" and vtype == self._STRING:
+                    self.name = string()
                 elif key == "general.alignment" and vtype in self._SCALAR:
                     alignment = int(take(self._SCALAR[vtype]))
                 else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -73,3 +74,67 @@ def test_a_subcommand_module_that_fails_to_import_is_an_error(monkeypatch) -> No
     monkeypatch.setitem(cli_main._SUBCOMMANDS, "missing", "pagellm.entrypoints.cli.no_such_module")
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):
         cli_main.build_parser()
+
+
+def _main_error(capsys, *argv: str) -> list[str]:
+    """Runs the CLI in this process; returns stderr's lines of a parse-time error."""
+    from pagellm.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_bad_sampling_flag_fails_before_torch_or_the_model_loads() -> None:
+    code = ("import atexit, sys; atexit.register(lambda: print('torch loaded:', 'torch' in sys.modules, "
+            "file=sys.stderr)); from pagellm.entrypoints.cli.main import main; main()")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code, "generate", "--max-tokens", "-1", "x"],
+                            capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2
+    assert lines[0].startswith("usage: pagellm generate ")
+    assert lines[-2:] == ["pagellm generate: error: max_tokens must be at least 1, got -1.",
+                          "torch loaded: False"]
+    assert elapsed < 3.0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("generate", "--temperature", "-1", "x"), "temperature must be non-negative, got -1.0."),
+    (("chat", "--top-p", "0", "-m", "hi"), "top_p must be in (0, 1], got 0.0."),
+    (("serve", "--max-num-seqs", "0"), "max_num_seqs must be a positive integer, got 0."),
+    (("bench", "throughput", "--block-size", "0"), "block_size must be a positive integer, got 0."),
+    (("generate", "--dtype", "float8", "x"),
+     "dtype must be one of auto, float32, bfloat16, float16; got 'float8'."),
+])
+def test_sampling_and_engine_flags_are_checked_at_parse_time(capsys, argv, message) -> None:
+    lines = _main_error(capsys, *argv)
+    command = " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert lines[0].startswith(f"usage: pagellm {command} ")
+    assert lines[-1] == f"pagellm {command}: error: {message}"
+
+
+def test_no_prefix_matching_and_each_subcommand_shows_its_own_usage(capsys) -> None:
+    lines = _main_error(capsys, "generate", "x", "--max-token", "5")
+    assert lines[0].startswith("usage: pagellm generate ")
+    assert lines[-1] == "pagellm generate: error: unrecognized arguments: --max-token 5"
+    lines = _main_error(capsys, "bench", "throughput", "--bogus")
+    assert lines[0].startswith("usage: pagellm bench throughput ")
+    assert lines[-1] == "pagellm bench throughput: error: unrecognized arguments: --bogus"
+    lines = _main_error(capsys, "serve", "--prt=80")
+    assert lines[0].startswith("usage: pagellm serve ")
+    assert lines[-1] == "pagellm serve: error: unrecognized arguments: --prt=80"
+
+
+def test_help_shows_defaults(capsys) -> None:
+    from pagellm.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-tokens MAX_TOKENS Most tokens to generate. (default: 128)" in text
+    assert "--block-size BLOCK_SIZE" in text and "(default: 16)" in text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in text
+    assert "(default: None)" not in text  # where the help text says what None means

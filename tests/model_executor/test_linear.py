@@ -48,6 +48,8 @@ def test_non_float32_keeps_the_plain_weight() -> None:
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+# inductor's imports use torch.jit.script_method, which torch itself now deprecates
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_packed_linear_under_torch_compile() -> None:
     """compilation_config >= 1 compiles the forward: inductor must take the packed weight
     (as an opaque op) and give the eager result, for more than one row count."""

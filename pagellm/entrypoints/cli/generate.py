@@ -14,16 +14,16 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling: keep the most likely tokens up to this probability mass.")
+    g.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0 = all).")
+    g.add_argument("--min-p", type=float, default=0.0, help="Drop tokens below this fraction of the top token's probability.")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens already in the prompt or output.")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="Penalty for tokens already generated (once each).")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="Penalty per earlier occurrence in the output.")
     g.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
     g.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
     g.add_argument("--n", type=int, default=1, help="Completions per prompt.")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past the end-of-sequence token.")
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> Any:
@@ -47,7 +47,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     chat = sub.add_parser("chat", help="Chat with the model (interactive, or one --message).")
     chat.add_argument("--message", "-m", default=None, help="Send one message, print the reply, exit.")
-    chat.add_argument("--system-prompt", default=None)
+    chat.add_argument("--system-prompt", default=None, help="A system message to start the chat with.")
     chat.add_argument("--chat-template", default=None, help="Jinja chat template (file path or text).")
     add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
+from typing import Any
 
 # subcommand -> module with add_parser(subparsers) and run(args)
 _SUBCOMMANDS = {
@@ -15,8 +17,29 @@ _SUBCOMMANDS = {
 }
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" where a default says something: not for None (the help says
+    what happens then) nor for on/off switches that are off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action, argparse._StoreTrueAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CLIParser(argparse.ArgumentParser):
+    """Every parser of the CLI, subcommands included (argparse makes subparsers of the
+    parent's class): no prefix matching (`--max-token` is not `--max-tokens`), and each
+    flag's default in --help."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(**kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: LLM inference and serving.")
+    parser = CLIParser(prog="pagellm", description="pagellm: LLM inference and serving.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench}")
     seen = set()
@@ -28,6 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser (`pagellm bench throughput` -> its own), so an
+    error shows the usage of the command the user typed."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen_parser(action.choices[name], args)
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks SamplingParams and EngineArgs make anyway, made on the parsed flags
+    before any model loads (ValueError/TypeError with the same messages)."""
+    if hasattr(args, "max_tokens") and hasattr(args, "sampling_seed"):
+        from pagellm.entrypoints.cli.generate import sampling_params_from_args
+
+        sampling_params_from_args(args)
+    from pagellm.engine.arg_utils import EngineArgs
+
+    if all(hasattr(args, f.name) for f in dataclasses.fields(EngineArgs)):
+        EngineArgs.from_cli_args(args).verify_args()
+
+
 def _version() -> str:
     from pagellm import __version__
 
@@ -36,10 +83,17 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    chosen = _chosen_parser(parser, args)
+    if unknown:
+        chosen.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
+    try:
+        check_args(args)
+    except (ValueError, TypeError) as e:
+        chosen.error(str(e))
     from pagellm.engine.exceptions import EngineStartupError
 
     try:

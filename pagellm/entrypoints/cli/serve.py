@@ -29,7 +29,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of uvicorn's own messages.")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
+from pagellm.entrypoints.openai.model_names import served_model_names
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,13 +95,16 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-              enable_auto_tool_choice: bool = False, enable_ui: bool = True) -> FastAPI:
+              enable_auto_tool_choice: bool = False, enable_ui: bool = True,
+              model_aliases: list[str] | None = None) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
-    completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics)
+    completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics,
+                                          model_aliases=model_aliases)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, metrics,
                              trust_request_chat_template=trust_request_chat_template,
                              tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                             reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None)
+                             reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
+                             model_aliases=model_aliases)
     app.state.engine = engine
 
     @app.exception_handler(RequestValidationError)
@@ -207,7 +211,9 @@ def run_server(args: Any) -> int:
     sock = _listen(args.host, args.port)
     try:
         config = engine_args.create_engine_config()
-        names = engine_args.served_model_names or [config.model_config.served_model_name]
+        model_names = served_model_names(engine_args.model, config.model_config.model_path,
+                                         engine_args.served_model_names)
+        names = model_names.served
         num_engines = config.parallel_config.data_parallel_size
         # --disable-log-stats turns statistics off everywhere: no log line, no /metrics
         # series (the engine core stops counting, so gauges would only read stale zeros).
@@ -225,7 +231,7 @@ def run_server(args: Any) -> int:
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
                     trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    enable_ui=not args.disable_ui)
+                    enable_ui=not args.disable_ui, model_aliases=model_names.aliases)
 
     @app.on_event("startup")
     async def _start_logging() -> None:

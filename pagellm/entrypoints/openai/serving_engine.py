@@ -45,10 +45,13 @@ def engine_dead_error() -> OpenAIError:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None = None,
-                 metrics: Any = None, trust_request_chat_template: bool = False):
+                 metrics: Any = None, trust_request_chat_template: bool = False,
+                 model_aliases: list[str] | None = None):
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
         self.served_model_names = served_model_names
+        # Accepted in requests besides the served names, never listed (model_names.py).
+        self.model_aliases = model_aliases or []
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.structured_outputs_backend = engine.config.structured_outputs_config.backend
@@ -56,7 +59,7 @@ class OpenAIServing:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.model_aliases:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model", "NotFoundError")
 
     def check_alive(self) -> None:

@@ -300,3 +300,27 @@ def test_continuous_usage_and_chat_echo(client, model) -> None:
     assert echoed == "Apple, banana" + plain.choices[0].message.content
     stream = client.chat.completions.create(**body, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == echoed
+
+
+def test_models_lists_one_clean_id_and_accepts_its_aliases(server, default_model_path) -> None:
+    """What a curl user types: the clean id from /v1/models, the file name, the GGUF's
+    general.name, or no model at all; an unknown name is a 404."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["SmolLM2-135M-Instruct"]
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+        texts = {}
+        for model in ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                      "Smollm2 135M 8k Lc100K Mix1 Ep2", None):
+            sent = body if model is None else {**body, "model": model}
+            r = http.post("/v1/completions", json=sent)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == (model or "SmolLM2-135M-Instruct")
+            texts[model] = r.json()["choices"][0]["text"]
+            chat = http.post("/v1/chat/completions", json={
+                **({} if model is None else {"model": model}), "max_tokens": 2, "messages": MESSAGES})
+            assert chat.status_code == 200, chat.text
+        assert len(set(texts.values())) == 1
+        r = http.post("/v1/completions", json={**body, "model": "SmolLM2"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The model `SmolLM2` does not exist."
