@@ -127,6 +127,9 @@ class CompilationConfig:
     """torch.compile backend when mode >= 1."""
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     backend: str = "auto"

@@ -305,12 +305,12 @@ class EngineArgs:
             )
 
     def _verify_structured_outputs(self) -> None:
-        from pagellm.structured_output import BACKENDS
+        from pagellm.config import STRUCTURED_OUTPUTS_BACKENDS as backends
 
         backend = self.structured_outputs_config.backend
-        if backend not in BACKENDS:
+        if backend not in backends:
             raise ValueError(
-                f"structured_outputs_config.backend must be one of {', '.join(BACKENDS)}; got {backend!r}."
+                f"structured_outputs_config.backend must be one of {', '.join(backends)}; got {backend!r}."
             )
         parser = self.reasoning_parser or self.structured_outputs_config.reasoning_parser
         if parser:

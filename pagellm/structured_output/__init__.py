@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from pagellm.config import STRUCTURED_OUTPUTS_BACKENDS
 from pagellm.logger import init_logger
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.backend_types import (
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-BACKENDS = ("auto", "xgrammar", "guidance")
+BACKENDS = STRUCTURED_OUTPUTS_BACKENDS
 _VALIDATED_CACHE_SIZE = 1024
 
 
