@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import Grammar, StructuredOutputBackend
+from pagellm.structured_output.backend_types import Grammar, StructuredOutputBackend, quiet_import
 
 
 def grammar_spec(params: StructuredOutputsParams) -> str:
@@ -63,10 +63,8 @@ def _check(result: Any) -> tuple[bool, str]:
 
 class GuidanceGrammar(Grammar):
     def __init__(self, matcher: Any) -> None:
-        import llguidance.torch
-
         self.matcher = matcher
-        self._fill = llguidance.torch.fill_next_token_bitmask
+        self._fill = quiet_import("llguidance.torch").fill_next_token_bitmask
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         for t in token_ids:

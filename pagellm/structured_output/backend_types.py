@@ -8,7 +8,10 @@ xgrammar and llguidance share), applied to logits by `apply_token_bitmask`.
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -46,6 +49,19 @@ class StructuredOutputBackend(ABC):
         """Compiles `params` into a fresh matcher (ValueError when it cannot)."""
 
 
+def quiet_import(module: str) -> Any:
+    """Imports a grammar library (xgrammar, llguidance.torch) without the
+    DeprecationWarning that importing it draws from torch (torch.jit.script_method),
+    which would otherwise reach every user at their first constraint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script_method", category=DeprecationWarning)
+        return importlib.import_module(module)
+
+
+def import_xgrammar() -> Any:
+    return quiet_import("xgrammar")
+
+
 def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
@@ -57,8 +73,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     bitmask rows are first laid out at their logits rows."""
     if not rows:
         return
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     full = bitmask
     if rows != list(range(logits.shape[0])):
         full = allocate_token_bitmask(logits.shape[0], logits.shape[1])

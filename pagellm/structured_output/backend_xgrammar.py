@@ -10,7 +10,11 @@ from typing import Any
 import torch
 
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.backend_types import Grammar, StructuredOutputBackend
+from pagellm.structured_output.backend_types import (
+    Grammar,
+    StructuredOutputBackend,
+    import_xgrammar,
+)
 
 
 def _json_schema(params: StructuredOutputsParams) -> str:
@@ -52,8 +56,7 @@ def _choice_grammar(choices: list[str]) -> str:
 
 def validate(params: StructuredOutputsParams) -> None:
     """Raises ValueError when xgrammar cannot take the constraint (no vocabulary needed)."""
-    import xgrammar as xgr
-
+    xgr = import_xgrammar()
     kind = params.kind
     try:
         if kind == "json":
@@ -96,8 +99,7 @@ class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_threads: int) -> None:
-        import xgrammar as xgr
-
+        xgr = import_xgrammar()
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)

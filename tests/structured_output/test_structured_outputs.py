@@ -169,7 +169,9 @@ def test_preempted_requests_keep_their_grammar_state() -> None:
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [
-        (StructuredOutputsParams(json={"type": "objectz"}), 'Invalid structured_outputs.json: Unsupported type "objectz"'),
+        (StructuredOutputsParams(json={"type": "objectz"}), "Invalid structured_outputs.json: invalid JSON schema['type']: 'objectz' is not valid"),
+        (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
+         "Invalid structured_outputs.json: Cannot find field '$defs' in #/$defs/missing"),
         (StructuredOutputsParams(regex="a(b"), "Invalid structured_outputs.regex: Regex parsing error"),
         (StructuredOutputsParams(grammar="root ::= missing"), 'Invalid structured_outputs.grammar: EBNF parser error at line 1, column 10: Rule "missing" is not defined'),
     ],
