@@ -18,11 +18,14 @@ logger = init_logger(__name__)
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+_TOKENS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+_PHASE_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
 _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0]
 
 
 class PrometheusStatLogger:
-    """vLLM-named metrics (prefix `pagellm:`) in a registry of its own."""
+    """vLLM-named metrics in a registry of its own, exported twice: as `pagellm:<name>`
+    and as `vllm:<name>`, so dashboards and alerts made for vLLM read them unchanged."""
 
     def __init__(self, model_name: str, num_engines: int = 1):
         self.registry = prom.CollectorRegistry()
@@ -50,6 +53,13 @@ class PrometheusStatLogger:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first scheduling.", _PHASE_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to the first token.", _PHASE_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.", _PHASE_BUCKETS)
+        self.prompt_tokens_per_request = histogram("request_prompt_tokens", "Prompt tokens per finished request.", _TOKENS_BUCKETS)
+        self.generation_tokens_per_request = histogram("request_generation_tokens", "Generated tokens per finished request.", _TOKENS_BUCKETS)
+        self._vllm_view = prom.CollectorRegistry()
+        self._vllm_view.register(_Renamed(self.registry, "pagellm:", "vllm:"))
         self.model_name = model_name
         for engine in range(num_engines):  # export zeros before the first request
             self.running.labels(model_name, str(engine)).set(0)
@@ -76,12 +86,35 @@ class PrometheusStatLogger:
         for fin in it.finished_requests:
             self.e2e.labels(*lbl).observe(fin.e2e_latency)
             self.request_success.labels(*lbl, fin.finish_reason).inc()
+            self.queue_time.labels(*lbl).observe(fin.queued_time)
+            # the first-token time is the frontend's (from arrival); the queue time the engine's
+            self.prefill_time.labels(*lbl).observe(max(0.0, fin.time_to_first_token - fin.queued_time))
+            self.decode_time.labels(*lbl).observe(fin.decode_time)
+            self.prompt_tokens_per_request.labels(*lbl).observe(fin.num_prompt_tokens)
+            self.generation_tokens_per_request.labels(*lbl).observe(fin.num_generation_tokens)
 
     def record_abort(self, count: int = 1, engine_index: int = 0) -> None:
         self.request_success.labels(self.model_name, str(engine_index), "abort").inc(count)
 
     def render(self) -> bytes:
-        return prom.generate_latest(self.registry)
+        return prom.generate_latest(self.registry) + prom.generate_latest(self._vllm_view)
+
+
+class _Renamed:
+    """A read-only view of a registry's metrics under another name prefix."""
+
+    def __init__(self, source: prom.CollectorRegistry, old: str, new: str) -> None:
+        self.source, self.old, self.new = source, old, new
+
+    def _name(self, name: str) -> str:
+        return self.new + name[len(self.old):] if name.startswith(self.old) else name
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        for family in self.source.collect():
+            renamed = prom.Metric(self._name(family.name), family.documentation, family.type, family.unit)
+            for s in family.samples:
+                renamed.add_sample(self._name(s.name), s.labels, s.value, s.timestamp, s.exemplar)
+            yield renamed
 
 
 class LoggingStatLogger:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pagellm.core.protocol import SchedulerStats
 from pagellm.entrypoints.openai.api_server import _log_periodically
 from pagellm.metrics.loggers import LoggingStatLogger
@@ -63,3 +65,38 @@ def test_idle_server_loop_logs_no_line_after_the_first_idle_one() -> None:
     asyncio.run(run())
     printed = [line is not None for line in lines[:6]]
     assert printed == [True, True, False, False, False, False]
+
+
+def test_prometheus_exports_vllm_names_and_phase_histograms() -> None:
+    """Every series also exists under vLLM's `vllm:` prefix with the same value, and a
+    finished request feeds the queue / prefill / decode time and tokens-per-request
+    histograms that vLLM's dashboards read."""
+    from pagellm.metrics.loggers import PrometheusStatLogger
+    from pagellm.metrics.stats import FinishedRequestStats, IterationStats
+
+    prom_logger = PrometheusStatLogger("m")
+    it = IterationStats(num_prompt_tokens=5, num_generation_tokens=3)
+    it.finished_requests.append(FinishedRequestStats(
+        finish_reason="stop", e2e_latency=1.0, num_prompt_tokens=5, num_generation_tokens=3,
+        max_tokens_param=16, queued_time=0.1, time_to_first_token=0.4, decode_time=0.5))
+    prom_logger.record(None, it)
+    samples = {}
+    for line in prom_logger.render().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    lbl = '{engine="0",model_name="m"}'
+    expected = {
+        "generation_tokens_total": 3.0,
+        "request_queue_time_seconds_sum": 0.1,
+        "request_prefill_time_seconds_sum": 0.4 - 0.1,
+        "request_decode_time_seconds_sum": 0.5,
+        "request_prompt_tokens_sum": 5.0,
+        "request_generation_tokens_sum": 3.0,
+    }
+    for short, value in expected.items():
+        assert samples[f"pagellm:{short}{lbl}"] == pytest.approx(value)
+        assert samples[f"vllm:{short}{lbl}"] == pytest.approx(value)
+    pagellm_names = {k.removeprefix("pagellm:") for k in samples if k.startswith("pagellm:")}
+    vllm_names = {k.removeprefix("vllm:") for k in samples if k.startswith("vllm:")}
+    assert pagellm_names == vllm_names
