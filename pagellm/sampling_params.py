@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from enum import IntEnum
 from typing import Any
 
@@ -33,6 +34,14 @@ class SamplingType(IntEnum):
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# msgspec does not check types on construction; the engine core's decoder does, and a
+# request it cannot decode must be refused here, in the caller, not there.
+_STRUCTURED_TYPES: dict[str, tuple[type, ...]] = {
+    "json": (str, dict), "regex": (str,), "choice": (list,), "grammar": (str,),
+    "json_object": (bool,), "structural_tag": (str,), "disable_fallback": (bool,),
+    "disable_any_whitespace": (bool,), "disable_additional_properties": (bool,),
+    "whitespace_pattern": (str,), "backend": (str,),
+}
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
@@ -56,6 +65,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     backend: str | None = None
 
     def __post_init__(self) -> None:
+        for name, types in _STRUCTURED_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                expected = " or ".join(t.__name__ for t in types)
+                raise ValueError(f"structured_outputs.{name} must be a {expected}, got {value!r}.")
         kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError(
@@ -150,6 +164,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             raise bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
         if self.temperature < 0.0:
             raise bad("temperature", "non-negative", self.temperature)
+        if not math.isfinite(self.temperature):  # NaN passes the comparison above
+            raise bad("temperature", "a finite number", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
         if not isinstance(self.top_k, int) or self.top_k < -1:

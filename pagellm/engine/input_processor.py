@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from pagellm.config import ModelConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.inputs import PromptType
@@ -64,8 +66,8 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         # Checked here, in the caller: a field of the wrong type would fail only when the
         # engine core decodes the message, far from the request that caused it.
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a signed 64-bit integer, got {priority!r}.")
         if data_parallel_rank is not None and not (
             isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < self.data_parallel_size
         ):
@@ -105,6 +107,8 @@ class InputProcessor:
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.min_tokens > params.max_tokens:
             params.min_tokens = params.max_tokens
+        if params.top_k >= self.vocab_size:  # keeps every token; also fits the wire's int64
+            params.top_k = 0
         params.eos_token_id = self.eos_token_id
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -114,6 +118,7 @@ class InputProcessor:
             params.bad_words_token_ids = self._bad_words_ids(params.bad_words)
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
+        _check_wire_types(params)
         return params
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
@@ -138,6 +143,16 @@ class InputProcessor:
                 if ids and ids not in seqs:
                     seqs.append(ids)
         return seqs
+
+
+def _check_wire_types(params: SamplingParams) -> None:
+    """msgspec checks no types on construction; the engine core's decoder does, and a
+    request it cannot decode would fail there, far from its caller. Decoding here first
+    turns that into the caller's ValueError, naming the field (`$.stop[0]`)."""
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    except (msgspec.ValidationError, OverflowError, TypeError) as e:
+        raise ValueError(f"Invalid sampling parameters: {e}") from None
 
 
 def _eos_token_id(model_config: ModelConfig, tokenizer: Any) -> int | None:

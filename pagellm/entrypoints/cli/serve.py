@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
+
+
+def _non_negative(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    return parse
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +40,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "what the generic tool prompt asks for), llama3_json or pythonic.")
     p.add_argument("--disable-ui", action="store_true",
                    help="Serve the API only: no chat page at / and no dashboard at /dashboard.")
+    p.add_argument("--max-num-queued-requests", type=_non_negative(int), default=None,
+                   help="Requests (sequences) allowed to wait for a place in the running batch; past "
+                        "it a new request gets 503 with Retry-After. Default: no limit (vLLM's behaviour).")
+    p.add_argument("--shutdown-timeout", type=_non_negative(float), default=5.0,
+                   help="On SIGTERM: seconds in-flight responses may take to finish before they are "
+                        "aborted (new connections are refused at once).")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="Guard /metrics with --api-key too (the API routes, /tokenize and /detokenize "
+                        "always are).")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Accepted for vLLM scripts; pagellm does not log individual requests.")
     p.add_argument("--uvicorn-log-level", default="warning",

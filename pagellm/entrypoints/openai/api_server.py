@@ -11,6 +11,7 @@ import hmac
 import re
 import signal
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import Any
@@ -34,6 +35,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import (
+    Admission,
     OpenAIError,
     as_openai_error,
     engine_dead_error,
@@ -46,7 +48,35 @@ logger = init_logger(__name__)
 
 
 def _error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.response().model_dump(), status_code=int(e.status))
+    return JSONResponse(e.response().model_dump(), status_code=int(e.status), headers=e.headers)
+
+
+_REQUEST_ID_CHARS = re.compile(r"[^A-Za-z0-9._:-]")
+MAX_REQUEST_ID_LEN = 128
+
+
+def request_id_header(request: Request) -> str | None:
+    """X-Request-Id as vLLM honours it (the response echoes it, the request runs under
+    it), limited to letters, digits and ._:- and to 128 characters."""
+    raw = request.headers.get("x-request-id")
+    if not raw:
+        return None
+    return _REQUEST_ID_CHARS.sub("", raw)[:MAX_REQUEST_ID_LEN] or None
+
+
+def _num_sequences(request: Any) -> int:
+    """Sequences a request puts in the engine: n per prompt."""
+    prompt = getattr(request, "prompt", None)
+    prompts = 1 if prompt is None or isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+    return prompts * request.n
+
+
+async def _released(stream: AsyncIterator[str], slot: Any) -> AsyncIterator[str]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        slot.release()
 
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list|dict)$|[(\[]")
@@ -96,7 +126,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, enable_ui: bool = True,
-              model_aliases: list[str] | None = None) -> FastAPI:
+              model_aliases: list[str] | None = None, max_num_queued_requests: int | None = None,
+              metrics_require_api_key: bool = False) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics,
                                           model_aliases=model_aliases)
@@ -106,6 +137,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                              reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
                              model_aliases=model_aliases)
     app.state.engine = engine
+    sched = engine.config.scheduler_config
+    admission = Admission(max_num_queued_requests,
+                          sched.max_num_seqs * engine.config.parallel_config.data_parallel_size)
+    # Every API route needs the key; /health, /version, /metrics (unless asked) and the
+    # pages do not.
+    guarded = ("/tokenize", "/detokenize") + (("/metrics",) if metrics_require_api_key else ())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -118,30 +155,41 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if api_key and (path.startswith("/v1") or path in guarded):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(OpenAIError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED,
                                           err_type="AuthenticationError"))
-        return await call_next(request)
+        response = await call_next(request)
+        rid = request_id_header(request)
+        if rid is not None:
+            response.headers["X-Request-Id"] = rid
+        return response
 
-    async def respond(create: Any) -> Response:
-        """Runs a handler; a stream becomes SSE, any failure OpenAI's error JSON."""
+    async def respond(serving: Any, request: Any, raw: Request) -> Response:
+        """Runs a handler under admission control; a stream becomes SSE, any failure
+        OpenAI's error JSON."""
+        slot = admission.take(_num_sequences(request))
         try:
-            result = await create
+            result = await serving.create(request, request_id_header(raw))
         except Exception as e:
+            slot.release()
             raise as_openai_error(e) from e
         if isinstance(result, AsyncIterator):
-            return StreamingResponse(result, media_type="text/event-stream")
+            stream = _released(result, slot)
+            weakref.finalize(stream, slot.release)  # a stream never started still frees its slot
+            return StreamingResponse(stream, media_type="text/event-stream")
+        slot.release()
         return JSONResponse(result.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
-        return await _cancel_on_disconnect(raw, respond(completions.create(request)))
+        return await _cancel_on_disconnect(raw, respond(completions, request, raw))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
-        return await _cancel_on_disconnect(raw, respond(chat.create(request)))
+        return await _cancel_on_disconnect(raw, respond(chat, request, raw))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -231,7 +279,9 @@ def run_server(args: Any) -> int:
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
                     trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    enable_ui=not args.disable_ui, model_aliases=model_names.aliases)
+                    enable_ui=not args.disable_ui, model_aliases=model_names.aliases,
+                    max_num_queued_requests=args.max_num_queued_requests,
+                    metrics_require_api_key=args.metrics_require_api_key)
 
     @app.on_event("startup")
     async def _start_logging() -> None:
@@ -249,7 +299,10 @@ def run_server(args: Any) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+        # On SIGTERM uvicorn stops accepting, lets in-flight responses finish for
+        # --shutdown-timeout seconds, then cancels them (which aborts their requests).
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                               timeout_graceful_shutdown=args.shutdown_timeout))
         server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -91,7 +91,7 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
 

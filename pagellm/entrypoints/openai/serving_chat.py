@@ -145,11 +145,12 @@ class OpenAIServingChat(OpenAIServing):
         schema = tool_choice_json_schema(request.tools, plan.choice, request.parallel_tool_calls)
         return StructuredOutputsParams(json=schema), "tool_choice"
 
-    async def create(self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create(self, request: ChatCompletionRequest,
+                     request_id: str | None = None) -> ChatCompletionResponse | AsyncIterator[str]:
         prompt, ids, params, plan = self._prepare(request)
         constraint, field_name = self._constraint(request, plan)
         await self.attach_structured_outputs(params, constraint, field_name)
-        request_id = random_id("chatcmpl")
+        request_id = f"chatcmpl-{request_id}" if request_id else random_id("chatcmpl")
         gen = self.engine.generate({"prompt_token_ids": ids, "prompt": prompt}, params, request_id,
                                    priority=request.priority)
         if request.stream:

@@ -51,12 +51,13 @@ class OpenAIServingCompletion(OpenAIServing):
             prepared.append((text, ids, params))
         return prepared
 
-    async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create(self, request: CompletionRequest,
+                     request_id: str | None = None) -> CompletionResponse | AsyncIterator[str]:
         prepared = self._prepare(request)
         constraint, field = self.requested_constraint(request)
         for _, _, params in prepared:
             await self.attach_structured_outputs(params, constraint, field)
-        base_id = random_id("cmpl")
+        base_id = f"cmpl-{request_id}" if request_id else random_id("cmpl")
         gens = [
             self.engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{base_id}-{i}",
                                  priority=request.priority)

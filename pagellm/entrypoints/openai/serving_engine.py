@@ -20,11 +20,12 @@ class OpenAIError(Exception):
     """An error to return to the client as OpenAI's error JSON."""
 
     def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None,
-                 err_type: str | None = None):
+                 err_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
         self.err_type = err_type or {
             HTTPStatus.BAD_REQUEST: "BadRequestError",
             HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -34,6 +35,40 @@ class OpenAIError(Exception):
 
     def response(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type, param=self.param, code=int(self.status)))
+
+
+class Admission:
+    """Admission control: requests beyond the running batch's capacity wait in the engine;
+    past `max_queued` of them a new request gets 503 with Retry-After (as Ollama does at its
+    queue cap) instead of joining an unbounded queue. Counts sequences (n per prompt) from
+    acceptance to the end of the response."""
+
+    def __init__(self, max_queued: int | None, capacity: int) -> None:
+        self.max_queued = max_queued
+        self.capacity = capacity
+        self.in_flight = 0
+
+    def take(self, n: int) -> AdmissionSlot:
+        if self.max_queued is not None and self.in_flight + n > self.capacity + self.max_queued:
+            waiting = max(0, self.in_flight - self.capacity)
+            raise OpenAIError(
+                f"The server is busy: {waiting} requests are waiting, its limit "
+                f"(--max-num-queued-requests {self.max_queued}); retry later.",
+                HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"},
+            )
+        self.in_flight += n
+        return AdmissionSlot(self, n)
+
+
+class AdmissionSlot:
+    def __init__(self, admission: Admission, n: int) -> None:
+        self._admission, self._n = admission, n
+
+    def release(self) -> None:
+        """Idempotent: the response's end and its garbage collection may both call it."""
+        if self._n:
+            self._admission.in_flight -= self._n
+            self._n = 0
 
 
 def engine_dead_error() -> OpenAIError:

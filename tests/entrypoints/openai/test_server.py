@@ -234,7 +234,7 @@ def test_closing_a_stream_aborts_the_request(server, model) -> None:
 
 
 def test_tokenize_detokenize_version_models(server, client, model) -> None:
-    with httpx.Client(base_url=server.url) as http:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"}) as http:
         tok = http.post("/tokenize", json={"prompt": PROMPT}).json()
         assert tok["count"] == 5 and tok["max_model_len"] == 1024
         assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PROMPT
