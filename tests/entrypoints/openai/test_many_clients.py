@@ -1,0 +1,70 @@
+"""128 concurrent streaming clients against one server, a third of them hanging up at
+random points: every other stream completes with its exact token count, the ones that
+left are aborted in the engine, and the KV cache is empty afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+
+from tests.entrypoints.openai.conftest import ServerProcess
+
+MAX_TOKENS = 16
+
+
+async def _client(srv: ServerProcess, i: int, leave_after: int | None) -> tuple[int, int, bool]:
+    """Returns (index, content chunks received, finished normally)."""
+    body = {"prompt": f"Client {i} says", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    chunks = 0
+    async with httpx.AsyncClient(base_url=srv.url, timeout=300,
+                                 headers={"Authorization": f"Bearer {srv.api_key}"}) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    chunks += 1
+                if leave_after is not None and chunks >= leave_after:
+                    return i, chunks, False  # hangs up mid-stream
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"] == "length":
+                    return i, chunks, True
+    return i, chunks, False
+
+
+def test_128_streams_with_a_third_hanging_up(tiny_model) -> None:
+    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "128")
+    try:
+        rng = random.Random(0)
+        leavers = {i: rng.randint(1, MAX_TOKENS // 3) for i in rng.sample(range(128), 43)}
+        aborts_before = srv.metric('pagellm:request_success_total{engine="0",finished_reason="abort"')
+
+        async def run():
+            return await asyncio.gather(*[_client(srv, i, leavers.get(i)) for i in range(128)])
+
+        results = asyncio.run(run())
+        for i, chunks, finished in results:
+            if i in leavers:
+                assert not finished and chunks == leavers[i]
+            else:
+                assert finished, (i, chunks)
+        # the engine saw every hang-up as an abort, and nothing is left holding KV
+        for _ in range(100):
+            aborted = srv.metric('pagellm:request_success_total{engine="0",finished_reason="abort"') - aborts_before
+            if aborted >= len(leavers) - 2 and srv.metric("pagellm:num_requests_running") == 0:
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        # a client can hang up just as its last token is sent; at most a couple finish first
+        assert len(leavers) - 2 <= aborted <= len(leavers)
+        assert srv.metric("pagellm:num_requests_running") == 0
+        assert srv.metric("pagellm:kv_cache_usage_perc") == 0.0
+        finished = srv.metric('pagellm:request_success_total{engine="0",finished_reason="length"')
+        assert finished + aborted == 128
+    finally:
+        srv.stop()
