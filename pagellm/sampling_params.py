@@ -195,6 +195,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             raise ValueError("stop strings need detokenize=True (they are matched in the text).")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty.")
+        for token, bias in (self.logit_bias or {}).items():
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer", self.seed)
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:

@@ -66,7 +66,9 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         # Checked here, in the caller: a field of the wrong type would fail only when the
         # engine core decodes the message, far from the request that caused it.
-        if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}.")
+        if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a signed 64-bit integer, got {priority!r}.")
         if data_parallel_rank is not None and not (
             isinstance(data_parallel_rank, int) and 0 <= data_parallel_rank < self.data_parallel_size

@@ -381,7 +381,7 @@ class Scheduler:
         if so is None or self.structured_output_manager is None:
             return False
         if not self.structured_output_manager.accept_token(request, token_id):
-            logger.error("Request %s: token %d is not allowed by its grammar; finishing it.",
+            logger.warning("Request %s: token %d is not allowed by its grammar (other constraints leave it no token); finishing it.",
                          request.request_id, token_id)
             request.status = RequestStatus.FINISHED_ERROR
             return True

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
@@ -152,6 +153,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # unknown routes, wrong methods, bodies that cannot be read: OpenAI's shape too
+        return _error(OpenAIError(str(exc.detail), HTTPStatus(exc.status_code), headers=exc.headers))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:

@@ -30,6 +30,8 @@ class OpenAIError(Exception):
             HTTPStatus.BAD_REQUEST: "BadRequestError",
             HTTPStatus.UNAUTHORIZED: "AuthenticationError",
             HTTPStatus.NOT_FOUND: "NotFoundError",
+            HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
             HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
         }.get(status, "InternalServerError")
 
