@@ -314,15 +314,16 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in plan.preempted},
         )
         if self.structured_output_manager is not None:
-            # Rows for the requests that sample this step (their last prompt chunk or a decode).
-            sampling = [
-                self.requests[req_id]
-                for req_id in plan.num_scheduled_tokens
-                if self.requests[req_id].num_computed_tokens >= self.requests[req_id].num_tokens
+            # Rows for the constrained requests that sample this step (their last prompt
+            # chunk or a decode); a step without any pays nothing more than this pass.
+            constrained = [
+                r for r in (self.requests[req_id] for req_id in plan.num_scheduled_tokens)
+                if r.structured_output_request is not None and r.num_computed_tokens >= r.num_tokens
             ]
-            output.grammar_bitmask, output.structured_output_request_ids = (
-                self.structured_output_manager.grammar_bitmask(sampling)
-            )
+            if constrained:
+                output.grammar_bitmask, output.structured_output_request_ids = (
+                    self.structured_output_manager.grammar_bitmask(constrained)
+                )
         self.finished_req_ids = set()
         return output
 
