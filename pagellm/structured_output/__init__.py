@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-BACKENDS = STRUCTURED_OUTPUTS_BACKENDS
 _VALIDATED_CACHE_SIZE = 1024
 
 
@@ -82,8 +81,9 @@ def _validate(params: StructuredOutputsParams, backend: str) -> str:
         except json.JSONDecodeError as e:
             raise ValueError(f"the schema is not valid JSON: {e}") from None
         check_json_schema(schema)
-    if backend not in BACKENDS:
-        raise ValueError(f"structured outputs backend must be one of {', '.join(BACKENDS)}; got {backend!r}.")
+    if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+        raise ValueError(f"structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}; "
+                         f"got {backend!r}.")
     if params.kind == "structural_tag":
         raise ValueError("structured_outputs.structural_tag is not supported by pagellm.")
     if backend == "guidance":
@@ -107,7 +107,7 @@ class StructuredOutputRequest:
 
     def __init__(self, params: StructuredOutputsParams, future: Future[Grammar]) -> None:
         self.params = params
-        self._future = future
+        self.future = future
         self.grammar: Grammar | None = None
         self.error: str | None = None
         # With a reasoning parser, the grammar applies only after the reasoning ends.
@@ -117,10 +117,10 @@ class StructuredOutputRequest:
         """True once compiling ended (successfully or not)."""
         if self.grammar is not None or self.error is not None:
             return True
-        if not self._future.done():
+        if not self.future.done():
             return False
         try:
-            self.grammar = self._future.result()
+            self.grammar = self.future.result()
         except Exception as e:  # the frontend validated it; report, do not crash the core
             self.error = f"{type(e).__name__}: {e}"
         return True
@@ -180,7 +180,7 @@ class StructuredOutputManager:
     def wait_for_any(self, requests: list[Request], timeout: float) -> None:
         """Blocks up to `timeout` s until one of the requests' grammars is compiled (so an
         engine with nothing else to do does not spin while grammars compile)."""
-        futures = [r.structured_output_request._future for r in requests if r.structured_output_request]
+        futures = [r.structured_output_request.future for r in requests if r.structured_output_request]
         if futures:
             wait_futures(futures, timeout=timeout, return_when="FIRST_COMPLETED")
 
