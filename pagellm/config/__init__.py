@@ -61,6 +61,18 @@ class ModelConfig:
 
         return head_dim_of(self.hf_config)
 
+    def eos_token_ids(self, tokenizer: Any) -> tuple[int | None, list[int]]:
+        """(the EOS id: the tokenizer's, else config.json's first; the other ids
+        generation_config.json lists as EOS, which stop generation too)."""
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        gen = self.generation_config.get("eos_token_id")
+        gen = gen if isinstance(gen, list) else [gen] if gen is not None else []
+        return eos, [t for t in gen if t != eos]
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size

@@ -31,11 +31,8 @@ class InputProcessor:
         self.data_parallel_size = data_parallel_size
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
-        self.eos_token_id = _eos_token_id(model_config, tokenizer)
         # generation_config.json may list extra EOS ids that also stop generation.
-        gen_eos = model_config.generation_config.get("eos_token_id")
-        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        self.extra_stop_ids = [t for t in gen_eos if t != self.eos_token_id]
+        self.eos_token_id, self.extra_stop_ids = model_config.eos_token_ids(tokenizer)
 
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -155,12 +152,3 @@ def _check_wire_types(params: SamplingParams) -> None:
         msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     except (msgspec.ValidationError, OverflowError, TypeError) as e:
         raise ValueError(f"Invalid sampling parameters: {e}") from None
-
-
-def _eos_token_id(model_config: ModelConfig, tokenizer: Any) -> int | None:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model_config.hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos

@@ -163,7 +163,8 @@ class StructuredOutputManager:
 
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_config.model_path, self.model_config.tokenizer)
-        stop_ids = _stop_token_ids(self.model_config, self._tokenizer)
+        eos, extra = self.model_config.eos_token_ids(self._tokenizer)
+        stop_ids = ([eos] if eos is not None else []) + extra
         if name == "xgrammar":
             from pagellm.structured_output.backend_xgrammar import XgrammarBackend
 
@@ -226,15 +227,3 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _stop_token_ids(model_config: Any, tokenizer: Any) -> list[int]:
-    ids = []
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is not None:
-        ids.append(eos)
-    gen = model_config.generation_config.get("eos_token_id")
-    for t in gen if isinstance(gen, list) else [gen] if gen is not None else []:
-        if t not in ids:
-            ids.append(t)
-    return ids
