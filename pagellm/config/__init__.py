@@ -116,6 +116,9 @@ class ParallelConfig:
     """With external load balancing: the one rank this client drives."""
     data_parallel_external_lb: bool = False
     """An external router balances across ranks; this client talks to one rank."""
+    restart_engine_on_failure: bool = False
+    """The async client starts a new engine-core process (same config, same rank) when one
+    dies, instead of failing every later request."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Started by the client as `python -m pagellm.core.engine_core_proc` (never by forking or
 re-importing the user's script). Holds no policy: it moves messages between ZMQ sockets
-and an EngineCore. Exits on SIGTERM, on a fatal error (after sending ENGINE_CORE_DEAD)
+and an EngineCore. Exits on SIGTERM, on a fatal error (after sending a dead frame with the cause)
 and when its parent process dies.
 """
 
@@ -24,10 +24,10 @@ import zmq
 from pagellm.core import serial
 from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequestType,
     UtilityOutput,
+    engine_dead_frame,
     engine_identity,
 )
 from pagellm.logger import init_logger
@@ -93,8 +93,8 @@ class EngineCoreProc:
         sock.connect(address)
         while True:
             item = self.output_queue.get()
-            if item is ENGINE_CORE_DEAD:
-                sock.send(ENGINE_CORE_DEAD)
+            if isinstance(item, bytes):  # the dead frame: the last thing this core sends
+                sock.send(item)
                 time.sleep(0.1)
                 return
             sock.send(serial.encode(item), copy=False)
@@ -141,8 +141,8 @@ class EngineCoreProc:
                 out = UtilityOutput(call_id, f"{type(e).__name__}: {e}", None)
             self.output_queue.put(EngineCoreOutputs(engine_index=self.rank, utility_output=out))
 
-    def send_dead(self) -> None:
-        self.output_queue.put(ENGINE_CORE_DEAD)
+    def send_dead(self, cause: str) -> None:
+        self.output_queue.put(engine_dead_frame(self.rank, cause))
         self._threads[1].join(timeout=5)
 
 
@@ -202,9 +202,9 @@ def main() -> None:
     proc = EngineCoreProc(engine, args.input_address, args.output_address, args.rank)
     try:
         proc.run_busy_loop()
-    except Exception:
+    except Exception as e:
         logger.error("Engine core %d died:\n%s", args.rank, traceback.format_exc())
-        proc.send_dead()
+        proc.send_dead(f"{type(e).__name__}: {e}")
         sys.exit(1)
     finally:
         engine.shutdown()

@@ -111,6 +111,19 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
+def engine_dead_frame(rank: int, cause: str) -> bytes:
+    """The last frame a failing engine core sends on its output socket: who died, and why."""
+    return ENGINE_CORE_DEAD + engine_identity(rank) + cause.encode(errors="replace")
+
+
+def parse_engine_dead_frame(frame: bytes) -> tuple[int, str] | None:
+    """(rank, cause) of a dead frame; None for any other frame."""
+    if not frame.startswith(ENGINE_CORE_DEAD):
+        return None
+    rest = frame[len(ENGINE_CORE_DEAD):]
+    return rank_of_identity(rest[:2]), rest[2:].decode(errors="replace")
+
+
 def engine_identity(rank: int) -> bytes:
     """The ZMQ identity of rank's engine core (its DEALER socket); the client's ROUTER
     addresses the engine by it and reads the rank of a handshake frame back from it."""

@@ -112,6 +112,11 @@ class EngineArgs:
     """With external load balancing, the rank this server drives."""
     data_parallel_external_lb: bool = False
     """An external router balances load; this frontend talks to one data-parallel rank."""
+    restart_engine_on_failure: bool = False
+    """Server only: when an engine-core process dies (killed, out of memory, an error in the
+    model), fail its in-flight requests with 503, start a new one with the same config and
+    serve again (/health is 503 meanwhile; with data parallelism only the dead rank restarts).
+    Without it the server logs the cause and exits with status 1, for a supervisor to restart."""
     tensor_parallel_size: int = 1
     """Tensor parallelism (only 1 is supported)."""
     quantization: str | None = None
@@ -265,6 +270,7 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_rank=self.data_parallel_rank,
                 data_parallel_external_lb=self.data_parallel_external_lb,
+                restart_engine_on_failure=self.restart_engine_on_failure,
             ),
             device_config=DeviceConfig(device=device),
             compilation_config=compilation,

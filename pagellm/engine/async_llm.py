@@ -16,8 +16,8 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_client import EngineCoreClient
-from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
+from pagellm.engine.core_client import EngineCoreClient, EngineFailure
+from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError, EngineRestartingError
 from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_frontend_and_core
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagellm.inputs import PromptType
@@ -56,6 +56,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return not self._shutdown and not self.errored
+
+    @property
+    def restarting_engines(self) -> list[int]:
+        """Ranks whose engine core died and is being restarted (restart_engine_on_failure)."""
+        return sorted(getattr(self.engine_core, "restarting", ()))
+
+    def start(self) -> None:
+        """Starts the output handler in the running event loop (the server does this at
+        start-up, so an engine that dies before the first request is noticed)."""
+        self._run_output_handler()
 
     @property
     def dead_error(self) -> BaseException:
@@ -159,10 +169,27 @@ class AsyncLLM:
         chunk_size = envs.PAGELLM_OUTPUT_PROC_CHUNK_SIZE
         stat_loggers, log_stats = self.stat_loggers, self.log_stats
 
+        async def on_failure(failure: EngineFailure) -> None:
+            logger.error("Engine core %d died (%s); %d request(s) in flight on it failed; restarting it.",
+                         failure.rank, failure.cause, len(failure.request_ids))
+            error = EngineRestartingError(
+                f"The engine core serving this request died ({failure.cause}) and is restarting; "
+                "retry the request."
+            )
+            siblings = output_processor.fail_requests(failure.request_ids, error)
+            if siblings:  # n > 1 children on other ranks
+                await engine_core.abort_requests_async(siblings)
+            for stat_logger in stat_loggers:
+                if hasattr(stat_logger, "record_engine_restart"):
+                    stat_logger.record_engine_restart(failure.rank)
+
         async def output_handler() -> None:
             try:
                 while True:
                     outputs = await engine_core.get_output_async()
+                    if isinstance(outputs, EngineFailure):
+                        await on_failure(outputs)
+                        continue
                     items = outputs.outputs
                     iteration_stats = _new_iteration_stats() if log_stats else None
                     for start in range(0, max(len(items), 1), chunk_size):

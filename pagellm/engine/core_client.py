@@ -3,7 +3,9 @@
 InprocClient calls an EngineCore directly. The MP clients start engine-core processes,
 bind a ROUTER (requests) and a PULL (outputs) socket, and exchange msgpack frames;
 DPLBAsyncMPClient balances requests over several engines. All raise EngineDeadError
-once an engine process is gone.
+once an engine process is gone, unless the async clients restart it
+(restart_engine_on_failure): then the dead rank's in-flight requests fail, reported as an
+EngineFailure among the outputs, and a new process takes the rank over.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,9 +42,10 @@ from pagellm.core.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
     engine_identity,
+    parse_engine_dead_frame,
     rank_of_identity,
 )
-from pagellm.engine.exceptions import EngineDeadError, EngineStartupError
+from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -61,6 +65,11 @@ class EngineCoreClient(ABC):
             if not multiprocess_mode:
                 raise ValueError("AsyncLLM needs the engine core in its own process.")
             return EngineCoreClient.make_async_mp_client(config)
+        if config.parallel_config.restart_engine_on_failure:
+            raise ValueError(
+                "restart_engine_on_failure applies to the server's engine (AsyncLLM); LLM "
+                "raises EngineDeadError when its engine core dies."
+            )
         if config.parallel_config.data_parallel_size > 1:
             raise ValueError(
                 "LLM does not run data parallelism in one process. For offline data parallelism, "
@@ -95,7 +104,9 @@ class EngineCoreClient(ABC):
     def call_utility(self, method: str, *args: Any) -> Any: raise NotImplementedError
 
     # async API
-    async def get_output_async(self) -> EngineCoreOutputs: raise NotImplementedError
+    async def get_output_async(self) -> EngineCoreOutputs | EngineFailure:
+        """The next outputs; an EngineFailure when a restarting client lost a rank."""
+        raise NotImplementedError
     async def add_request_async(self, request: EngineCoreRequest) -> None: raise NotImplementedError
     async def abort_requests_async(self, request_ids: list[str]) -> None: raise NotImplementedError
     async def call_utility_async(self, method: str, *args: Any, rank: int | None = None) -> Any:
@@ -140,18 +151,19 @@ class _BackgroundResources:
 
     ctx: zmq.Context | None = None
     sockets: list = field(default_factory=list)
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> its live process
     tmpdir: str | None = None
     engine_dead: bool = False
     shutdown_event: threading.Event = field(default_factory=threading.Event)
 
     def __call__(self) -> None:
         self.shutdown_event.set()
-        for proc in self.procs:
+        procs = list(self.procs.values())
+        for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + 5
-        for proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -186,6 +198,22 @@ def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str,
     return procs
 
 
+def _parse_handshake(frames: list[bytes]) -> tuple[int, EngineCoreReadyResponse]:
+    """(rank, ready response) of a handshake from the ROUTER; raises EngineStartupError
+    for a FAILED one."""
+    rank = rank_of_identity(frames[0])
+    if frames[1] == HANDSHAKE_FAILED:
+        raise EngineStartupError(f"Engine core initialization failed: {frames[2].decode()}")
+    return rank, serial.ready_decoder.decode(frames[1])
+
+
+def _exited_early(rank: int, proc: subprocess.Popen) -> EngineStartupError:
+    return EngineStartupError(
+        f"Engine core initialization failed: process (rank {rank}) exited with code "
+        f"{proc.returncode}. See its log above."
+    )
+
+
 def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[int, EngineCoreReadyResponse]:
     """Waits for every engine's first frame (READY or FAILED), watching the processes."""
     ready: dict[int, EngineCoreReadyResponse] = {}
@@ -194,21 +222,15 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
         if time.monotonic() > deadline:
             raise TimeoutError("Timed out waiting for the engine core to start.")
         if sock.poll(100):
-            frames = sock.recv_multipart()
-            rank = rank_of_identity(frames[0])
-            if frames[1] == HANDSHAKE_FAILED:
-                raise EngineStartupError(f"Engine core initialization failed: {frames[2].decode()}")
-            ready[rank] = serial.ready_decoder.decode(frames[1])
+            rank, response = _parse_handshake(sock.recv_multipart())
+            ready[rank] = response
             continue
         for rank, proc in procs.items():
             if rank not in ready and proc.poll() is not None:
                 # It may have sent FAILED just before exiting: look once more.
                 if sock.poll(200):
                     continue
-                raise EngineStartupError(
-                    f"Engine core initialization failed: process (rank {rank}) exited with code "
-                    f"{proc.returncode}. See its log above."
-                )
+                raise _exited_early(rank, proc)
     return ready
 
 
@@ -216,6 +238,16 @@ def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> Engine
     """One response for the frontend from every rank's: each engine has its own KV pool,
     and the frontend reports the smallest (what every engine holds at least)."""
     return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()))
+
+
+def describe_exit(returncode: int | None) -> str:
+    """An engine process's end in words: 'killed by SIGKILL', 'exited with code 1'."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
 
 
 class MPClient(EngineCoreClient):
@@ -235,46 +267,53 @@ class MPClient(EngineCoreClient):
     def _start(self, asyncio_mode: bool) -> None:
         res = self.resources
         res.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
-        input_addr = f"ipc://{res.tmpdir}/input.sock"
-        output_addr = f"ipc://{res.tmpdir}/output.sock"
+        self.input_addr = f"ipc://{res.tmpdir}/input.sock"
+        self.output_addr = f"ipc://{res.tmpdir}/output.sock"
         self.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         res.ctx = self.ctx
         # Handshake on a plain sync socket; async sockets are made on the same address after.
         sync_ctx = zmq.Context.instance()
         self.input_socket = sync_ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its identity over
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.bind(input_addr)
+        self.input_socket.bind(self.input_addr)
         res.sockets.append(self.input_socket)
-        self.output_addr = output_addr
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(output_addr)
+        self.output_socket.bind(self.output_addr)
         res.sockets.append(self.output_socket)
 
-        res.procs = _launch_engines(self.config, self.ranks, input_addr, output_addr)
-        self.procs = dict(zip(self.ranks, res.procs))
-        self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, self.procs))
+        res.procs = dict(zip(self.ranks, _launch_engines(self.config, self.ranks, self.input_addr, self.output_addr)))
+        self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, res.procs))
         self.identities = {rank: engine_identity(rank) for rank in self.ranks}
         self._start_monitor()
 
     def _start_monitor(self) -> None:
         res = self.resources
-        procs = list(res.procs)
-        on_dead_ref = weakref.WeakMethod(self._on_engine_dead)  # the thread must not keep us alive
+        on_exit_ref = weakref.WeakMethod(self._on_process_exit)  # the thread must not keep us alive
 
         def monitor() -> None:
+            reported: set[int] = set()
             while not res.shutdown_event.is_set():
-                for proc in procs:
-                    if proc.poll() is not None and not res.shutdown_event.is_set():
-                        res.engine_dead = True
-                        logger.error("Engine core process %d died (exit code %s).", proc.pid, proc.returncode)
-                        on_dead = on_dead_ref()
-                        if on_dead is not None:
-                            on_dead()
+                for rank, proc in list(res.procs.items()):
+                    if proc.pid in reported or proc.poll() is None or res.shutdown_event.is_set():
+                        continue
+                    reported.add(proc.pid)
+                    cause = describe_exit(proc.returncode)
+                    logger.error("Engine core %d (pid %d) died: %s.", rank, proc.pid, cause)
+                    on_exit = on_exit_ref()
+                    if on_exit is None or not on_exit(rank, proc, cause):
                         return
                 time.sleep(0.05)
 
         threading.Thread(target=monitor, daemon=True, name="EngineMonitor").start()
+
+    def _on_process_exit(self, rank: int, proc: subprocess.Popen, cause: str) -> bool:
+        """Called from the monitor thread when an engine process ends; returns whether to
+        keep watching. Here: the whole engine is dead."""
+        self.resources.engine_dead = True
+        self._on_engine_dead()
+        return False
 
     def _on_engine_dead(self) -> None: ...
 
@@ -284,7 +323,7 @@ class MPClient(EngineCoreClient):
 
     @property
     def engine_pids(self) -> list[int]:
-        return [p.pid for p in self.resources.procs]
+        return [self.resources.procs[rank].pid for rank in self.ranks]
 
     def ensure_alive(self) -> None:
         if self.engine_dead:
@@ -292,7 +331,13 @@ class MPClient(EngineCoreClient):
 
     def _send(self, rank: int, req_type: EngineCoreRequestType, payload: Any) -> None:
         self.ensure_alive()
-        self.input_socket.send_multipart([self.identities[rank], req_type.value, serial.encode(payload)])
+        try:
+            self.input_socket.send_multipart([self.identities[rank], req_type.value, serial.encode(payload)])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the rank's process is gone, not yet noticed
+            raise self._unreachable(rank) from e
+
+    def _unreachable(self, rank: int) -> EngineDeadError:
+        return EngineDeadError(f"Engine core {rank} is not reachable.")
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -350,28 +395,42 @@ def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Q
             frame = sock.recv(copy=False)
         except zmq.ZMQError:
             return
-        outputs = _decode_frame(frame, res, utility)
-        if outputs is _DEAD:
+        outputs = _decode_frame(frame, utility)
+        if isinstance(outputs, EngineFailure):
+            logger.error("Engine core %d failed: %s", outputs.rank, outputs.cause)
+            res.engine_dead = True
             outq.put(EngineDeadError())
             return
         if outputs is not None:
             outq.put(outputs)
 
 
-_DEAD: Any = object()
+@dataclass
+class EngineFailure:
+    """An engine core died: its rank, the cause, and (from a restarting client, among the
+    outputs) the ids of the requests that were in flight on it, which are lost."""
+
+    rank: int
+    cause: str
+    request_ids: list[str] = field(default_factory=list)
 
 
-def _decode_frame(frame: Any, res: _BackgroundResources, utility: dict) -> Any:
-    """One output frame -> EngineCoreOutputs; _DEAD for the dead sentinel (and marks the
-    engine dead); None for a utility reply, which resolves its future here."""
-    if bytes(frame.buffer) == ENGINE_CORE_DEAD:
-        res.engine_dead = True
-        return _DEAD
-    outputs = serial.outputs_decoder.decode(frame.buffer)
+def _decode_frame(frame: Any, utility: dict) -> EngineCoreOutputs | EngineFailure | None:
+    """One output frame -> EngineCoreOutputs; an EngineFailure for an engine's dead frame;
+    None for a utility reply, which resolves its future here."""
+    buf = frame.buffer
+    if buf[:_DEAD_PREFIX_LEN] == _DEAD_PREFIX:
+        rank, cause = parse_engine_dead_frame(bytes(buf))  # type: ignore[misc]
+        return EngineFailure(rank, cause)
+    outputs = serial.outputs_decoder.decode(buf)
     if outputs.utility_output is not None:
         _resolve_utility(utility, outputs.utility_output)
         return None
     return outputs
+
+
+_DEAD_PREFIX = ENGINE_CORE_DEAD
+_DEAD_PREFIX_LEN = len(ENGINE_CORE_DEAD)
 
 
 def _resolve_utility(futures: dict[int, Any], out: Any) -> None:
@@ -385,14 +444,33 @@ def _resolve_utility(futures: dict[int, Any], out: Any) -> None:
 
 
 class AsyncMPClient(MPClient):
-    """For AsyncLLM: an asyncio task reads outputs into an asyncio.Queue."""
+    """For AsyncLLM: an asyncio task reads outputs into an asyncio.Queue.
+
+    It knows which rank runs each request (for the balancer, and so that a restarting
+    client can fail exactly the requests a dead rank held). With
+    restart_engine_on_failure, a dead rank is restarted in the background: its requests
+    come out of get_output_async() as one EngineFailure, new requests go to the other
+    ranks (none: EngineRestartingError), and the rank serves again once its new process
+    has sent its handshake."""
+
+    MAX_RESTART_ATTEMPTS = 3
+    """Consecutive failed starts of a rank before the whole engine is declared dead."""
 
     def __init__(self, config: EngineConfig, ranks: Sequence[int] = (0,)):
         self.outputs_queue: asyncio.Queue | None = None
         self.utility_results: dict[int, asyncio.Future] = {}
+        self.utility_ranks: dict[int, int] = {}  # call id -> the rank that runs it
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_task: asyncio.Task | None = None
+        self.restart_on_failure = config.parallel_config.restart_engine_on_failure
+        self.reqs_in_flight: dict[str, int] = {}  # request id -> rank
+        self.in_flight_counts: dict[int, int] = dict.fromkeys(ranks, 0)
+        self.restarting: set[int] = set()
+        self.num_restarts: dict[int, int] = dict.fromkeys(ranks, 0)
+        self._restart_tasks: set[asyncio.Task] = set()
+        self._early_failures: list[tuple[int, subprocess.Popen, str]] = []  # before the loop is known
+        self._handshakes: dict[int, list[bytes]] = {}  # restarting rank -> its handshake frames
         super().__init__(config, ranks, asyncio_mode=True)
 
     def _ensure_output_task(self) -> None:
@@ -403,14 +481,27 @@ class AsyncMPClient(MPClient):
         self._output_task = self._loop.create_task(self._output_loop())
         if self.resources.engine_dead:
             self._on_engine_dead()
+        for failure in self._early_failures:
+            self._rank_died(*failure)
+        self._early_failures.clear()
+
+    def start(self) -> None:
+        """Starts reading outputs now (the server calls it at start-up, so a dead engine
+        is noticed and restarted before the first request)."""
+        self._ensure_output_task()
 
     async def _output_loop(self) -> None:
         assert self.outputs_queue is not None
         res, sock, outq = self.resources, self.output_socket, self.outputs_queue
         while True:
             frame = await sock.recv(copy=False)
-            outputs = _decode_frame(frame, res, self.utility_results)
-            if outputs is _DEAD:
+            outputs = _decode_frame(frame, self.utility_results)
+            if isinstance(outputs, EngineFailure):
+                logger.error("Engine core %d failed: %s", outputs.rank, outputs.cause)
+                if self.restart_on_failure and not res.engine_dead:
+                    self._rank_died(outputs.rank, res.procs.get(outputs.rank), outputs.cause)
+                    continue
+                res.engine_dead = True
                 outq.put_nowait(EngineDeadError())
                 return
             if outputs is None:
@@ -418,7 +509,108 @@ class AsyncMPClient(MPClient):
             self._on_outputs(outputs)
             outq.put_nowait(outputs)
 
-    def _on_outputs(self, outputs: EngineCoreOutputs) -> None: ...
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        for req_id in outputs.finished_requests or ():
+            rank = self.reqs_in_flight.pop(req_id, None)
+            if rank is not None:
+                self.in_flight_counts[rank] -= 1
+
+    # -- engine death and restart ---------------------------------------------------------
+
+    def _on_process_exit(self, rank: int, proc: subprocess.Popen, cause: str) -> bool:
+        if not self.restart_on_failure:
+            return super()._on_process_exit(rank, proc, cause)
+        loop = self._loop
+        if loop is None:
+            self._early_failures.append((rank, proc, cause))
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._rank_died, rank, proc, cause)
+        return True
+
+    def _rank_died(self, rank: int, proc: subprocess.Popen | None, cause: str) -> None:
+        """In the event loop: fail what `rank` held and start its restart (once per death:
+        the dead frame and the process exit both report it)."""
+        res = self.resources
+        if rank in self.restarting or res.engine_dead or res.shutdown_event.is_set():
+            return
+        if proc is not None and res.procs.get(rank) is not proc:
+            return  # an older process of a rank that has restarted since
+        self.restarting.add(rank)
+        self.num_restarts[rank] += 1
+        lost = [req_id for req_id, r in self.reqs_in_flight.items() if r == rank]
+        for req_id in lost:
+            del self.reqs_in_flight[req_id]
+        self.in_flight_counts[rank] = 0
+        self._forget_rank(rank)
+        for call_id in [c for c, r in self.utility_ranks.items() if r == rank]:
+            fut = self.utility_results.pop(call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineRestartingError(f"Engine core {rank} died ({cause}) and is restarting."))
+        assert self.outputs_queue is not None and self._loop is not None
+        self.outputs_queue.put_nowait(EngineFailure(rank, cause, lost))
+        task = self._loop.create_task(self._restart(rank))
+        self._restart_tasks.add(task)
+        task.add_done_callback(self._restart_tasks.discard)
+
+    def _forget_rank(self, rank: int) -> None:
+        """Balancer state of a dead rank (the DP client keeps some)."""
+
+    async def _restart(self, rank: int) -> None:
+        res = self.resources
+        started = time.monotonic()
+        old = res.procs[rank]
+        if old.poll() is None:  # it sent its dead frame and is on its way out
+            old.kill()
+        while old.poll() is None:
+            await asyncio.sleep(0.02)
+        for attempt in range(1, self.MAX_RESTART_ATTEMPTS + 1):
+            if res.shutdown_event.is_set():
+                return
+            self._handshakes.pop(rank, None)
+            (proc,) = _launch_engines(self.config, [rank], self.input_addr, self.output_addr)
+            res.procs[rank] = proc
+            try:
+                await self._await_handshake(rank, proc)
+            except (EngineStartupError, TimeoutError) as e:
+                logger.error("Engine core %d restart attempt %d failed: %s", rank, attempt, e)
+                if proc.poll() is None:
+                    proc.kill()
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+                continue
+            self.restarting.discard(rank)
+            logger.info("Engine core %d restarted (pid %d) in %.1f s; restarts of this rank: %d.",
+                        rank, proc.pid, time.monotonic() - started, self.num_restarts[rank])
+            return
+        logger.error("Engine core %d could not be restarted after %d attempts; the engine is dead.",
+                     rank, self.MAX_RESTART_ATTEMPTS)
+        res.engine_dead = True
+        self._on_engine_dead()
+
+    async def _await_handshake(self, rank: int, proc: subprocess.Popen) -> None:
+        """Polls the ROUTER (on this loop's thread, the socket's only user) for the new
+        process's READY, watching the process. Several ranks may restart at once: each
+        handshake read is kept for its own rank's task."""
+        deadline = time.monotonic() + envs.PAGELLM_ENGINE_READY_TIMEOUT_S
+        exited_at: float | None = None
+        while True:
+            while self.input_socket.poll(0):
+                frames = self.input_socket.recv_multipart()
+                self._handshakes[rank_of_identity(frames[0])] = frames
+            if rank in self._handshakes:
+                _parse_handshake(self._handshakes.pop(rank))
+                return
+            if proc.poll() is not None:  # a FAILED frame sent just before exiting may still come
+                exited_at = exited_at or time.monotonic()
+                if time.monotonic() - exited_at > 0.2:
+                    raise _exited_early(rank, proc)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Timed out waiting for engine core {rank} to start.")
+            await asyncio.sleep(0.05)
+
+    def _unreachable(self, rank: int) -> EngineDeadError:
+        if self.restart_on_failure:
+            return EngineRestartingError(f"Engine core {rank} is not reachable (restarting).")
+        return super()._unreachable(rank)
 
     def _on_engine_dead(self) -> None:
         loop = self._loop
@@ -434,7 +626,9 @@ class AsyncMPClient(MPClient):
 
         loop.call_soon_threadsafe(wake)
 
-    async def get_output_async(self) -> EngineCoreOutputs:
+    # -- requests -----------------------------------------------------------------------
+
+    async def get_output_async(self) -> EngineCoreOutputs | EngineFailure:
         self._ensure_output_task()
         assert self.outputs_queue is not None
         out = await self.outputs_queue.get()
@@ -443,36 +637,65 @@ class AsyncMPClient(MPClient):
             raise out
         return out
 
+    def _serving_ranks(self) -> list[int]:
+        ranks = [r for r in self.ranks if r not in self.restarting]
+        if not ranks:
+            raise EngineRestartingError(
+                "The engine core is restarting after a failure; retry the request shortly."
+            )
+        return ranks
+
     def _choose_rank(self, request: EngineCoreRequest) -> int:
-        return self.ranks[0]
+        return self._serving_ranks()[0]
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_output_task()
-        self._send(self._choose_rank(request), EngineCoreRequestType.ADD, request)
+        self.ensure_alive()
+        rank = self._choose_rank(request)
+        self.reqs_in_flight[request.request_id] = rank
+        self.in_flight_counts[rank] += 1
+        try:
+            self._send(rank, EngineCoreRequestType.ADD, request)
+        except BaseException:
+            if self.reqs_in_flight.pop(request.request_id, None) is not None:
+                self.in_flight_counts[rank] -= 1
+            raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and not self.engine_dead:
             for rank, ids in self._group_aborts(request_ids).items():
-                self._send(rank, EngineCoreRequestType.ABORT, ids)
+                if rank not in self.restarting:
+                    self._send(rank, EngineCoreRequestType.ABORT, ids)
 
     def _group_aborts(self, request_ids: list[str]) -> dict[int, list[str]]:
-        return {self.ranks[0]: list(request_ids)}
+        groups: dict[int, list[str]] = {}
+        for req_id in request_ids:
+            rank = self.reqs_in_flight.get(req_id)
+            if rank is not None:
+                groups.setdefault(rank, []).append(req_id)
+        return groups
 
     async def call_utility_async(self, method: str, *args: Any, rank: int | None = None) -> Any:
         self._ensure_output_task()
         assert self._loop is not None
+        rank = self._serving_ranks()[0] if rank is None else rank
+        if rank in self.restarting:
+            raise EngineRestartingError(f"Engine core {rank} is restarting after a failure.")
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
         self.utility_results[call_id] = fut
-        self._send(self.ranks[0] if rank is None else rank, EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        self.utility_ranks[call_id] = rank
+        fut.add_done_callback(lambda _: self.utility_ranks.pop(call_id, None))
+        self._send(rank, EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return await fut
 
     def shutdown(self) -> None:
-        if self._output_task is not None and not self._output_task.done():
-            try:
-                self._output_task.cancel()
-            except RuntimeError:
-                pass  # loop already closed
+        for task in [self._output_task, *self._restart_tasks]:
+            if task is not None and not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:
+                    pass  # loop already closed
         super().shutdown()
 
 
@@ -485,24 +708,22 @@ class DPAsyncMPClient(AsyncMPClient):
 
 
 class DPLBAsyncMPClient(AsyncMPClient):
-    """N engine processes; each request goes to the least-loaded engine."""
+    """N engine processes; each request goes to the least-loaded serving engine."""
 
     def __init__(self, config: EngineConfig):
         n = config.parallel_config.data_parallel_size
-        self.reqs_in_flight: dict[str, int] = {}
-        self.in_flight_counts: dict[int, int] = dict.fromkeys(range(n), 0)
         self.waiting_counts: dict[int, int] = dict.fromkeys(range(n), 0)
         self.requests_sent: dict[int, int] = dict.fromkeys(range(n), 0)
         self._rr = 0
         super().__init__(config, ranks=range(n))
 
     async def call_utility_async(self, method: str, *args: Any, rank: int | None = None) -> Any:
-        """Without a rank, every engine runs it (reset_prefix_cache must empty every
-        engine's cache); the first engine's result is returned."""
+        """Without a rank, every serving engine runs it (reset_prefix_cache must empty
+        every engine's cache); the first engine's result is returned."""
         if rank is not None:
             return await super().call_utility_async(method, *args, rank=rank)
         results = await asyncio.gather(*(super(DPLBAsyncMPClient, self).call_utility_async(method, *args, rank=r)
-                                         for r in self.ranks))
+                                         for r in self._serving_ranks()))
         return results[0]
 
     def _choose_rank(self, request: EngineCoreRequest) -> int:
@@ -510,30 +731,22 @@ class DPLBAsyncMPClient(AsyncMPClient):
             rank = request.data_parallel_rank
             if rank not in self.in_flight_counts:
                 raise ValueError(f"data_parallel_rank {rank} is out of range [0, {len(self.ranks)}).")
+            if rank in self.restarting:
+                raise EngineRestartingError(f"Engine core {rank} is restarting after a failure; retry shortly.")
         else:
             # Least loaded by in-flight + waiting; start from a rotating offset for ties.
-            n = len(self.ranks)
-            order = [(self._rr + i) % n for i in range(n)]
-            self._rr = (self._rr + 1) % n
+            serving = self._serving_ranks()
+            n = len(serving)
+            order = [serving[(self._rr + i) % n] for i in range(n)]
+            self._rr = (self._rr + 1) % len(self.ranks)
             rank = min(order, key=lambda r: self.in_flight_counts[r] + self.waiting_counts[r])
-        self.reqs_in_flight[request.request_id] = rank
-        self.in_flight_counts[rank] += 1
         self.requests_sent[rank] += 1
         return rank
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None:
             self.waiting_counts[outputs.engine_index] = outputs.scheduler_stats.num_waiting_reqs
-        for req_id in outputs.finished_requests or ():
-            rank = self.reqs_in_flight.pop(req_id, None)
-            if rank is not None:
-                self.in_flight_counts[rank] -= 1
+        super()._on_outputs(outputs)
 
-    def _group_aborts(self, request_ids: list[str]) -> dict[int, list[str]]:
-        groups: dict[int, list[str]] = {}
-        for req_id in request_ids:
-            rank = self.reqs_in_flight.get(req_id)
-            if rank is not None:
-                groups.setdefault(rank, []).append(req_id)
-        return groups
-
+    def _forget_rank(self, rank: int) -> None:
+        self.waiting_counts[rank] = 0

@@ -1,6 +1,8 @@
 """Errors the frontend raises to callers of LLM / AsyncLLM when the engine fails.
 
 EngineDeadError: the engine-core process died and the engine cannot recover.
+EngineRestartingError: an engine-core process died and is being restarted
+    (restart_engine_on_failure); its requests are lost, later ones may succeed.
 EngineGenerateError: one generate() call failed; the engine itself is still fine.
 EngineStartupError: the engine core did not start (its error is in the message).
 """
@@ -21,6 +23,10 @@ class EngineDeadError(Exception):
         super().__init__(*args)
         # Hide the chained ZMQ/IPC exception: it says nothing the message does not.
         self.__suppress_context__ = suppress_context
+
+
+class EngineRestartingError(EngineDeadError):
+    """An engine core died and a new one is starting: this request failed, a retry may not."""
 
 
 class EngineStartupError(RuntimeError):

@@ -404,6 +404,30 @@ class OutputProcessor:
         if req_state.collector is not None and request_output is not None:
             req_state.collector.put(request_output)
 
+    def fail_requests(self, request_ids: Iterable[str], e: Exception) -> list[str]:
+        """Ends these internal requests with `e` (their engine core died). A request with
+        n > 1 fails whole: returns its other children, which the caller must abort where
+        they still run."""
+        failed = set(request_ids)
+        siblings: list[str] = []
+        for request_id in sorted(failed):
+            req_state = self.request_states.get(request_id)
+            if req_state is None:
+                continue
+            parent = req_state.parent_req
+            states = [req_state] if parent is None else [
+                self.request_states[c] for c in sorted(parent.child_requests) if c in self.request_states
+            ]
+            for state in states:
+                if state.request_id not in failed:
+                    siblings.append(state.request_id)
+                self._finish_request(state)
+            if parent is not None:
+                self.parent_requests.pop(parent.request_id, None)
+            if req_state.collector is not None:
+                req_state.collector.put(e)
+        return siblings
+
     def propagate_error(self, e: Exception) -> None:
         """Hands an engine failure to every waiting consumer."""
         for req_state in self.request_states.values():

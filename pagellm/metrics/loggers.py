@@ -50,6 +50,8 @@ class PrometheusStatLogger:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.request_success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.engine_restarts = counter("engine_restarts", "Engine-core processes that died and were restarted "
+                                       "(--restart-engine-on-failure).")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
@@ -65,6 +67,7 @@ class PrometheusStatLogger:
             self.running.labels(model_name, str(engine)).set(0)
             self.waiting.labels(model_name, str(engine)).set(0)
             self.kv_usage.labels(model_name, str(engine)).set(0)
+            self.engine_restarts.labels(model_name, str(engine))
 
     def record(self, sched: SchedulerStats | None, it: IterationStats | None, engine_index: int = 0) -> None:
         lbl = (self.model_name, str(engine_index))
@@ -95,6 +98,9 @@ class PrometheusStatLogger:
 
     def record_abort(self, count: int = 1, engine_index: int = 0) -> None:
         self.request_success.labels(self.model_name, str(engine_index), "abort").inc(count)
+
+    def record_engine_restart(self, engine_index: int) -> None:
+        self.engine_restarts.labels(self.model_name, str(engine_index)).inc()
 
     def render(self) -> bytes:
         return prom.generate_latest(self.registry) + prom.generate_latest(self._vllm_view)

@@ -17,6 +17,7 @@ from pagellm.engine.core_client import (
     InprocClient,
     MPClient,
     SyncMPClient,
+    describe_exit,
     merge_ready_responses,
 )
 
@@ -44,6 +45,19 @@ def test_every_client_keeps_the_base_signatures(client: type[EngineCoreClient]) 
 def test_async_mode_needs_multiprocessing() -> None:
     with pytest.raises(ValueError, match="own process"):
         EngineCoreClient.make_client(False, True, None)  # type: ignore[arg-type]
+
+
+def test_only_the_async_engine_restarts_engine_cores() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, restart_engine_on_failure=True))
+    with pytest.raises(ValueError, match="^restart_engine_on_failure applies to the server's engine"):
+        EngineCoreClient.make_client(True, False, config)  # type: ignore[arg-type]
+
+
+def test_exit_codes_in_words() -> None:
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(1) == "exited with code 1"
 
 
 def test_every_ranks_ready_response_is_read() -> None:

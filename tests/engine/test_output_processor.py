@@ -245,6 +245,25 @@ def test_propagate_error_reaches_every_queue() -> None:
             collector.get_nowait()
 
 
+def test_fail_requests_ends_exactly_the_lost_ones_and_names_their_siblings(tokenizer: Any) -> None:
+    """A dead engine core's requests fail; an n=2 request with one child on the dead core
+    fails whole, and its other child is returned for the caller to abort."""
+    processor = OutputProcessor(tokenizer, log_stats=False)
+    plain = RequestOutputCollector(DELTA, "a")
+    processor.add_request(make_request("a", [1]), None, collector=plain)
+    other = RequestOutputCollector(DELTA, "b")
+    processor.add_request(make_request("b", [1]), None, collector=other)
+    parent_collector = RequestOutputCollector(DELTA, "p")
+    assert add_parent(processor, SamplingParams(n=2, output_kind=DELTA), parent_collector) == ["0_p", "1_p"]
+    error = RuntimeError("engine core 1 died")
+    assert processor.fail_requests(["a", "1_p", "gone"], error) == ["0_p"]
+    for collector in (plain, parent_collector):
+        with pytest.raises(RuntimeError, match="engine core 1 died"):
+            collector.get_nowait()
+    assert other.get_nowait() is None
+    assert sorted(processor.request_states) == ["b"] and not processor.parent_requests
+
+
 def lp_lists(token_ids: list[int], logprob: float) -> LogprobsLists:
     return LogprobsLists(
         [[t, t] for t in token_ids], [[logprob, logprob]] * len(token_ids), [1] * len(token_ids)

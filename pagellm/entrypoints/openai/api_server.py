@@ -207,7 +207,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def health() -> Response:
         if engine.errored:
             return _error(engine_dead_error())
-        return Response(status_code=200)
+        restarting = engine.restarting_engines
+        if not restarting:
+            return Response(status_code=200)
+        if len(restarting) == len(engine.engine_core.ranks):  # nothing serves
+            return _error(OpenAIError(f"Engine core(s) {restarting} restarting after a failure.",
+                                      HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"}))
+        return JSONResponse({"status": "degraded", "restarting_engines": restarting})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -289,8 +295,25 @@ def run_server(args: Any) -> int:
                     max_num_queued_requests=args.max_num_queued_requests,
                     metrics_require_api_key=args.metrics_require_api_key)
 
+    server: Any = None
+    exit_status = 0
+
+    async def _exit_when_engine_dead() -> None:
+        """Without --restart-engine-on-failure (or once restarts gave up) a dead engine
+        ends the server with status 1, for a supervisor to restart it."""
+        nonlocal exit_status
+        while not engine.errored:
+            await asyncio.sleep(0.1)
+        logger.error("The engine core is dead (see the error above); exiting with status 1. Run the server "
+                     "under a supervisor, or with --restart-engine-on-failure to restart the engine in place.")
+        exit_status = 1
+        if server is not None:
+            server.should_exit = True
+
     @app.on_event("startup")
     async def _start_logging() -> None:
+        engine.start()
+        app.state.watchdog = asyncio.create_task(_exit_when_engine_dead())
         if prometheus is not None:
             app.state.log_task = asyncio.create_task(_log_periodically(log_logger, config.observability_config.log_stats_interval))
         logger.info("Serving %s at http://%s:%d/v1", names[0], args.host, args.port)
@@ -314,7 +337,7 @@ def run_server(args: Any) -> int:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
         engine.shutdown()
-    return 0
+    return exit_status
 
 
 def _check_tool_flags(args: Any) -> None:

@@ -10,7 +10,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.exceptions import EngineDeadError
+from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -224,6 +224,8 @@ SSE_DONE = "data: [DONE]\n\n"
 def as_openai_error(e: BaseException) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
+    if isinstance(e, EngineRestartingError):  # this request is lost; a retry soon may work
+        return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
     if isinstance(e, EngineDeadError):
         return engine_dead_error()
     if isinstance(e, ValueError):  # the request's fault; a TypeError is ours (500)
