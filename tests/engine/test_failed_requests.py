@@ -17,7 +17,7 @@ from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError
+from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError, EngineRestartingError
 from pagellm.sampling_params import RequestOutputKind
 
 PROMPTS = [{"prompt_token_ids": [100 + 37 * i + j for j in range(6)]} for i in range(8)]
@@ -90,6 +90,35 @@ def test_async_failed_add_frees_the_id_and_unreadable_message_kills_the_core(mod
                 async for _ in engine.generate(PROMPTS[1], SamplingParams(max_tokens=4), "r2"):
                     pass
             assert time.monotonic() - start < 30 and engine.errored
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_engine_core_that_fails_is_restarted_when_asked(model, monkeypatch) -> None:
+    """restart_engine_on_failure: the core that could not read a message reports why and
+    exits; the request fails with EngineRestartingError naming the cause, a new core
+    takes the rank over, and the next request runs on it."""
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=model, restart_engine_on_failure=True))
+        try:
+            old_pid = engine.engine_core.engine_pids[0]
+            _corrupt_next_request(monkeypatch, engine.input_processor, "logprobs", 1.0)
+            with pytest.raises(EngineRestartingError, match=r"^The engine core serving this request died "
+                               r"\(RuntimeError: the engine core's input thread failed\) and is restarting"):
+                async for _ in engine.generate(PROMPTS[1], SamplingParams(max_tokens=4), "r2"):
+                    pass
+            assert not engine.errored and engine.restarting_engines == [0]
+            deadline = time.monotonic() + 60
+            while engine.restarting_engines:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            assert engine.engine_core.engine_pids[0] != old_pid
+            outs = [o async for o in engine.generate(PROMPTS[2], SamplingParams(max_tokens=3, ignore_eos=True), "r3")]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+            assert not engine.output_processor.has_unfinished_requests()
         finally:
             engine.shutdown()
 

@@ -1,0 +1,123 @@
+"""How fast `pagellm serve --restart-engine-on-failure` recovers from `kill -9` of its
+engine core: it starts its own server (loopback, a free port, the default model unless
+--model), keeps a few streams running, kills the engine-core process --kills times, and
+prints per kill: the time until every in-flight stream has its 503 error event, the time
+until /health is a plain 200 again, and whether the next request succeeds. Stops by itself.
+
+    python benchmarks/restart.py --kills 5 [--model M] [-- extra serve flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_pid(server_pid: int) -> int:
+    for p in psutil.Process(server_pid).children(recursive=True):
+        if "pagellm.core.engine_core_proc" in p.cmdline():
+            return p.pid
+    raise RuntimeError("no engine-core process under the server")
+
+
+async def _stream_until_error(client: httpx.AsyncClient) -> float | None:
+    """Streams one long completion; returns when its error event arrived (None if it ended
+    without one)."""
+    body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and "error" in json.loads(line[6:]):
+                return time.monotonic()
+    return None
+
+
+async def _health_is_plain_200(client: httpx.AsyncClient) -> bool:
+    try:
+        r = await client.get("/health")
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and r.content == b""
+
+
+async def one_kill(client: httpx.AsyncClient, server_pid: int, streams: int) -> dict:
+    tasks = [asyncio.create_task(_stream_until_error(client)) for _ in range(streams)]
+    await asyncio.sleep(1.0)  # the streams are decoding
+    pid = _engine_pid(server_pid)
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    errors = await asyncio.gather(*tasks)
+    failed_within = max((t - killed for t in errors if t is not None), default=float("nan"))
+    while not await _health_is_plain_200(client):
+        await asyncio.sleep(0.05)
+    healthy = time.monotonic() - killed
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8})
+    return {"streams_failed": sum(t is not None for t in errors), "failed_within_s": failed_within,
+            "health_200_s": healthy, "next_request": r.status_code}
+
+
+async def run(url: str, server_pid: int, kills: int, streams: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        rows = []
+        for i in range(kills):
+            row = await one_kill(client, server_pid, streams)
+            rows.append(row)
+            print(f"kill {i + 1}: {row['streams_failed']}/{streams} streams got their 503 within "
+                  f"{row['failed_within_s']:.2f} s; /health 200 after {row['health_200_s']:.1f} s; "
+                  f"next request {row['next_request']}", flush=True)
+        metrics = (await client.get("/metrics")).text
+        restarts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("pagellm:engine_restarts_total"))
+        print(f"pagellm:engine_restarts_total = {restarts:g}")
+        return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--streams", type=int, default=4, help="streams in flight at each kill")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("serve_flags", nargs="*", help="extra flags for pagellm serve (after --)")
+    args = ap.parse_args()
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port), "--max-model-len", "1024",
+           "--restart-engine-on-failure", *(["--model", args.model] if args.model else []), *args.serve_flags]
+    server = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        rows = asyncio.run(run(url, server.pid, args.kills, args.streams))
+        times = [r["health_200_s"] for r in rows]
+        print(f"kill -> /health 200: median {statistics.median(times):.1f} s, max {max(times):.1f} s "
+              f"over {len(times)} kills; every stream failed within {max(r['failed_within_s'] for r in rows):.2f} s")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
