@@ -42,6 +42,8 @@ that piles values up is stopped long before memory runs out) stays under this ma
 the output budget."""
 MAX_TEMPLATE_CHARS = 256 * 1024
 """Longest template text a request may send (the Hub's chat templates are under 20 KiB)."""
+MAX_WORDWRAP_CHARS = 64 * 1024
+"""Longest text the wordwrap filter may wrap (it cannot be stopped once it runs)."""
 MAX_INT_BITS = 4096
 """Integers a template computes with `*` or `**` stay under this many bits."""
 
@@ -287,6 +289,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 budget.fits(sum(_size(x, budget.max_chars) for x in items) + len(items) * _size(sep, budget.max_chars),
                             "a joined string")
                 args = tuple(items if a is values[0] else a for a in args)
+            if name == "wordwrap" and values and _size(values[0], budget.max_chars) > MAX_WORDWRAP_CHARS:
+                # textwrap runs in one uninterruptible call, seconds long for 300k characters
+                raise TemplateBoundError(f"the chat template's wordwrap filter takes at most "
+                                         f"{MAX_WORDWRAP_CHARS} characters.")
             if name == "sum" and not isinstance(kwargs.get("start", values[2] if len(values) > 2 else 0), (int, float)):
                 raise TemplateBoundError("the chat template's sum filter may add numbers only.")
             result = f(*args, **kwargs)

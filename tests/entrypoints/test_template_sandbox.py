@@ -65,6 +65,7 @@ HUGE = [
     ("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x, 'y' * 1000000] %}"
      "{% endfor %}", "computed over"),
     ("{{ 9**99999 }}", "would compute a 399996-bit integer"),
+    ("{{ ('x' * 300000)|wordwrap(1) }}", "wordwrap filter takes at most 65536 characters"),
     # no output at all: the inner loops' items are counted against the deadline
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "time limit of 1 s"),
     ("{% set a = range(100000)|list %}{% for i in a %}{% for j in a %}{% endfor %}{% endfor %}", "time limit of 1 s"),
