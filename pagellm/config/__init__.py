@@ -39,6 +39,9 @@ class ModelConfig:
     """How linear weights are stored and multiplied, resolved from the checkpoint:
     'gguf' (GGUF blocks kept quantized, multiplied by CPU kernels) or None (weights in
     `dtype`; GGUF files are then dequantized at load)."""
+    max_logprobs: int = 20
+    """Most logprobs (and prompt logprobs) per token a request may ask for; -1 means
+    the vocabulary size. vLLM's ModelConfig.max_logprobs, with its default."""
 
     @property
     def architecture(self) -> str:

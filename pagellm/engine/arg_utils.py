@@ -86,6 +86,8 @@ class EngineArgs:
     """Random seed for sampling without a per-request seed."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) in tokens; defaults to the model's context length."""
+    max_logprobs: int = 20
+    """Most logprobs (and prompt logprobs) per token a request may ask for; -1 allows the whole vocabulary. A request over it is refused (a ValueError offline, a 400 on the server)."""
     device: str = "auto"
     """Device: auto, cpu or cuda."""
     block_size: int = 16
@@ -237,6 +239,7 @@ class EngineArgs:
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),
+            max_logprobs=self.max_logprobs,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -293,6 +296,8 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "data_parallel_size", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
             positive(name)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary) or >= 0, got {self.max_logprobs!r}.")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):

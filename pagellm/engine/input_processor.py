@@ -15,7 +15,7 @@ import msgspec
 from pagellm.config import ModelConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.inputs import PromptType
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import ALL_LOGPROBS, SamplingParams
 
 
 class InputProcessor:
@@ -102,6 +102,7 @@ class InputProcessor:
     def _complete_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         params = params.clone()
         params.verify_token_ids(self.vocab_size)
+        self._validate_logprobs(params)
         room = self.model_config.max_model_len - prompt_len
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.min_tokens > params.max_tokens:
@@ -119,6 +120,22 @@ class InputProcessor:
             self._validate_structured_outputs(params)
         _check_wire_types(params)
         return params
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """logprobs and prompt_logprobs against the engine's max_logprobs (-1, on either
+        side, is the whole vocabulary), in vLLM's words."""
+        cap = self.model_config.max_logprobs
+        cap = self.vocab_size if cap == ALL_LOGPROBS else cap
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            wanted = self.vocab_size if value == ALL_LOGPROBS else value
+            if wanted > cap:
+                raise ValueError(
+                    f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {cap} "
+                    f"({name}={value} is over the engine's max_logprobs={self.model_config.max_logprobs})."
+                )
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         """Checked here with the backend that will compile it, so a bad schema is the

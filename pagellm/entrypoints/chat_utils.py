@@ -38,6 +38,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return result
 
 
+class ChatTemplateError(ValueError):
+    """The chat template failed to render (a syntax error, its raise_exception(), or a
+    request's template refused by the bounded sandbox)."""
+
+
 def apply_chat_template(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -45,11 +50,16 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    bounded: bool = False,
     **kwargs: Any,
 ) -> str:
     """Renders a conversation. Tools (and a history's tool calls and results) go to a
     template that renders them itself; a template that knows no tools gets them as a
-    generic tool prompt, and the history's tool turns as plain text."""
+    generic tool prompt, and the history's tool turns as plain text.
+
+    bounded: `chat_template` came in a request: it renders in pagellm's bounded sandbox
+    (template_sandbox.py: internals refused, output size and render time capped) instead
+    of transformers' environment."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
@@ -71,6 +81,16 @@ def apply_chat_template(
         messages = flatten_tool_messages(messages)
     import jinja2
 
+    if bounded:
+        from pagellm.entrypoints.template_sandbox import render_request_template
+
+        try:
+            return render_request_template(template, tokenizer, messages, kwargs.pop("tools", None),
+                                           add_generation_prompt and not continue_final_message,
+                                           continue_final_message, kwargs)
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                MemoryError) as e:  # anything a template can raise is the request's fault
+            raise ChatTemplateError(f"The chat template failed: {type(e).__name__}: {e}") from e
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -81,7 +101,7 @@ def apply_chat_template(
             **kwargs,
         )
     except jinja2.TemplateError as e:  # a syntax error, or the template's raise_exception()
-        raise ValueError(f"The chat template failed: {type(e).__name__}: {e}") from e
+        raise ChatTemplateError(f"The chat template failed: {type(e).__name__}: {e}") from e
 
 
 @functools.lru_cache(maxsize=16)

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.openai.serving_limits import ServingLimits
 
 
 def _non_negative(kind: type) -> Any:
@@ -31,7 +32,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="Let requests bring their own chat template (chat_template, or "
                         "chat_template_kwargs.chat_template); refused with 400 otherwise, since "
-                        "the server runs it.")
+                        "the server runs it. It renders in a bounded sandbox: no Python internals, "
+                        "1 MiB of output (plus twice the conversation), 1 s.")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model decide when to call tools (tool_choice 'auto'); needs "
                         "--tool-call-parser to read the calls from its output.")
@@ -54,6 +56,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of uvicorn's own messages.")
+    ServingLimits.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 

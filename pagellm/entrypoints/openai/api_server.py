@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     engine_dead_error,
 )
+from pagellm.entrypoints.openai.serving_limits import RequestBodyLimit, ServingLimits
 from pagellm.entrypoints.ui import mount_ui
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -128,7 +129,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, enable_ui: bool = True,
               model_aliases: list[str] | None = None, max_num_queued_requests: int | None = None,
-              metrics_require_api_key: bool = False) -> FastAPI:
+              metrics_require_api_key: bool = False, limits: ServingLimits | None = None) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics,
                                           model_aliases=model_aliases)
@@ -144,6 +145,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     # Every API route needs the key; /health, /version, /metrics (unless asked) and the
     # pages do not.
     guarded = ("/tokenize", "/detokenize") + (("/metrics",) if metrics_require_api_key else ())
+    # Per-request caps (serving_limits.py); the logprobs cap is the engine's, -1 the vocabulary.
+    limits = limits or ServingLimits()
+    max_logprobs = engine.model_config.max_logprobs
+    max_logprobs = engine.model_config.vocab_size if max_logprobs == -1 else max_logprobs
+    app.add_middleware(RequestBodyLimit, max_bytes=limits.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -176,6 +182,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def respond(serving: Any, request: Any, raw: Request) -> Response:
         """Runs a handler under admission control; a stream becomes SSE, any failure
         OpenAI's error JSON."""
+        limits.check(request, max_logprobs)  # before admission: a refused request holds no slot
         slot = admission.take(_num_sequences(request))
         try:
             result = await serving.create(request, request_id_header(raw))
@@ -293,7 +300,8 @@ def run_server(args: Any) -> int:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     enable_ui=not args.disable_ui, model_aliases=model_names.aliases,
                     max_num_queued_requests=args.max_num_queued_requests,
-                    metrics_require_api_key=args.metrics_require_api_key)
+                    metrics_require_api_key=args.metrics_require_api_key,
+                    limits=ServingLimits.from_cli_args(args))
 
     server: Any = None
     exit_status = 0

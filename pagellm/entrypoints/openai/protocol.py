@@ -18,8 +18,6 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams, Structure
 
 logger = init_logger(__name__)
 
-MAX_LOGPROBS = 20
-
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -68,7 +66,7 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most --max-n (serving_limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -166,7 +164,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     suffix: str | None = None
     best_of: int | None = None
 
@@ -191,7 +189,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False

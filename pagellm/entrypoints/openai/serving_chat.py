@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.entrypoints.chat_utils import apply_chat_template, validate_messages
+from pagellm.entrypoints.chat_utils import ChatTemplateError, apply_chat_template, validate_messages
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -49,6 +49,14 @@ from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
 from pagellm.outputs import CompletionOutput
 from pagellm.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bounded", "tokenize", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+})
+"""Names chat_template_kwargs may not use: apply_chat_template's own parameters and
+transformers', which would change how the prompt is made rather than what the template sees."""
 
 
 @dataclass
@@ -112,12 +120,19 @@ class OpenAIServingChat(OpenAIServing):
                 "template unless it is started with --trust-request-chat-template.",
                 param="chat_template",
             )
+        reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise OpenAIError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
+                              "fields do.", param="chat_template_kwargs")
         try:
             return apply_chat_template(
                 self.tokenizer, request.messages, sent_template or self.chat_template,
                 request.add_generation_prompt, request.continue_final_message,
-                tools=request.tools if plan.choice != "none" else None, **kwargs,
+                tools=request.tools if plan.choice != "none" else None,
+                bounded=sent_template is not None, **kwargs,  # a request's template: bounded sandbox
             )
+        except ChatTemplateError as e:
+            raise OpenAIError(str(e), param="chat_template" if sent_template is not None else "messages") from e
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
 
