@@ -100,9 +100,13 @@ def _positive_size(text: str) -> int:
     return value
 
 
+_DRAIN_FACTOR = 4
+"""A sized body up to this many times the cap is read and dropped before the 413."""
+
+
 class RequestBodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413 in OpenAI's error shape.
-    A Content-Length over the cap is answered before any of the body is read; a body
+    A Content-Length over the cap is answered without keeping any of the body; a body
     without one (chunked) is counted as it arrives, and the read stops at the first chunk
     past the cap, so no more than the cap plus one chunk is ever buffered."""
 
@@ -125,6 +129,11 @@ class RequestBodyLimit:
             error = OpenAIError(self._message(), HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
             response = JSONResponse(error.response().model_dump(), status_code=int(error.status),
                                     headers={"Connection": "close"})
+            if int(length) <= _DRAIN_FACTOR * self.max_bytes:
+                # Read (and drop) a body that is not far over: closing with unread bytes
+                # makes the kernel reset the connection, and the client may lose the 413.
+                while (await receive()).get("more_body"):
+                    pass
             await response(scope, receive, send)
             return
         received = 0
