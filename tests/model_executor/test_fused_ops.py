@@ -55,15 +55,18 @@ def test_add_rms_norm_equals_add_then_norm(
 
 @pytest.mark.parametrize("t,heads,d,pad", [(1, 12, 64, 0), (4, 5, 10, 7), (2, 3, 2, 0)])
 def test_rope_in_place_equals_rotate_half(lib: Any, t: int, heads: int, d: int, pad: int) -> None:
+    """The first `heads` heads of [T, heads + 2, D] rows rotate in place; the last two
+    (v heads) stay as they were."""
     rope = RotaryEmbedding(d, max_position=300, rope=RopeParams(10000.0, "default", {}))
     positions = torch.tensor([0, 299, 17, 5][:t])
-    x = _rows(t, heads * d + pad, 0, seed=4)[:, : heads * d].view(t, heads, d)
+    x = _rows(t, (heads + 2) * d + pad, 0, seed=4)[:, : (heads + 2) * d].view(t, heads + 2, d)
     tables = rope.tables(positions, torch.float32)
-    want = RotaryEmbedding.rotate_torch(x.clone(), tables)
+    want = x.clone()
+    want[:, :heads] = RotaryEmbedding.rotate_torch(x[:, :heads], tables)
     tables.kernels = lib
-    got = RotaryEmbedding.rotate(x, tables)
-    assert got.data_ptr() == x.data_ptr()  # rotated in place
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    RotaryEmbedding.rotate_(x, heads, tables)
+    torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x[:, heads:], want[:, heads:])
 
 
 def test_rope_refuses_positions_past_its_tables() -> None:

@@ -179,16 +179,17 @@ class RotaryEmbedding(nn.Module):
                           self.kernels if use_c else None)
 
     @staticmethod
-    def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x [T, heads, D] (q and k heads side by side) -> rotated: in place (and returned)
-        on the C path, a rotated copy on the torch path."""
+    def rotate_(heads: torch.Tensor, n: int, tables: RopeTables) -> None:
+        """Rotates the first `n` heads of heads [T, heads, D] in place (q and k heads of a
+        fused qkv output, v's after them untouched): one C pass over contiguous heads,
+        else `rotate_torch` and a copy back."""
         lib = tables.kernels
-        if lib is None or x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            return RotaryEmbedding.rotate_torch(x, tables)
-        lib.pg_rope(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2],
-                    tables.positions.data_ptr(), tables.cos_cache.data_ptr(),
-                    tables.sin_cache.data_ptr())
-        return x
+        t, _, d = heads.shape
+        if lib is None or heads.dtype != torch.float32 or heads.stride(2) != 1 or heads.stride(1) != d:
+            heads[:, :n] = RotaryEmbedding.rotate_torch(heads[:, :n], tables)
+            return
+        lib.pg_rope(heads.data_ptr(), heads.stride(0), t, n, d, tables.positions.data_ptr(),
+                    tables.cos_cache.data_ptr(), tables.sin_cache.data_ptr())
 
     @staticmethod
     def rotate_torch(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:

@@ -65,6 +65,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], opts.qkv_bias,
             quant_config, f"{prefix}.qkv_proj",
@@ -84,16 +85,16 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor) -> torch.Tensor:
-        t, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(hidden)
-        # q and k heads side by side [T, H + KVH, D], so one rotation covers both
-        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        # [T, H + KVH + KVH, D]: q heads, k heads, v heads side by side, so one rotation
+        # (in place) covers q and k
+        heads = qkv.view(hidden.shape[0], h + 2 * kvh, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.forward_single(qk[:, : self.num_heads])
-            k = self.k_norm.forward_single(qk[:, self.num_heads :])
-            qk = torch.cat([q, k], dim=1)
-        q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], 1)
+            heads[:, :h] = self.q_norm.forward_single(heads[:, :h])
+            heads[:, h : h + kvh] = self.k_norm.forward_single(heads[:, h : h + kvh])
+        RotaryEmbedding.rotate_(heads, h + kvh, rope)
+        q, k, v = heads.split(self.head_splits, 1)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
