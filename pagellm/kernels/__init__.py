@@ -9,6 +9,8 @@ the system's C compiler at first use and cached under
 - `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
   rotary embedding of q and k in place, SiLU-and-mul (layers/layernorm.py,
   rotary_embedding.py, activation.py)
+- `decode_step.c`: a decoder stack over a few single-token decodes in one call, made of
+  the kernels above (models/fused_decode.py)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
 build fails (logged once); callers then take their torch paths (GGUF files are
@@ -142,4 +144,6 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_rope.restype = None
     lib.pg_silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.pg_silu_and_mul.restype = None
+    lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
+    lib.pg_decode_layers.restype = ctypes.c_int
     return lib

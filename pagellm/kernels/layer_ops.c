@@ -105,15 +105,23 @@ static inline v8f v8_exp(v8f x) {
     return p * (v8f)((n + 127) << 23); /* n in [-126, 127]: 2^n is a normal float */
 }
 
-/* o[i] = silu(g[i]) * u[i] for i < n, eight at a time (the tail padded into a vector). */
+/* o[i] = silu(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
+ * (memcpy of a constant 32 bytes compiles to one unaligned load or store). */
 static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) {
-        int64_t k = n - i < 8 ? n - i : 8;
-        v8f gv = {0}, uv = {0};
-        memcpy(&gv, g + i, (size_t)k * sizeof(float));
-        memcpy(&uv, u + i, (size_t)k * sizeof(float));
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f gv, uv;
+        memcpy(&gv, g + i, sizeof gv);
+        memcpy(&uv, u + i, sizeof uv);
         v8f ov = gv / (1.0f + v8_exp(-gv)) * uv;
-        memcpy(o + i, &ov, (size_t)k * sizeof(float));
+        memcpy(o + i, &ov, sizeof ov);
+    }
+    if (i < n) {
+        v8f gv = {0}, uv = {0};
+        memcpy(&gv, g + i, (size_t)(n - i) * sizeof(float));
+        memcpy(&uv, u + i, (size_t)(n - i) * sizeof(float));
+        v8f ov = gv / (1.0f + v8_exp(-gv)) * uv;
+        memcpy(o + i, &ov, (size_t)(n - i) * sizeof(float));
     }
 }
 

@@ -140,3 +140,41 @@ def test_fused_logits_equal_eager_torch(
     } <= counting.called
     for fused, eager in zip(logits["fused"], logits["eager"]):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+def test_fused_decode_stack_equals_module_path(tmp_path: Any) -> None:
+    """The one-call decode stack (GGUF Q4_K_M mix: q|k and v in different types, so a
+    fused linear of two groups) gives the module path's logits for decode steps of one
+    and of several rows, and steps with a prompt chunk take the module path."""
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=1)
+    mc = make_model_config(path, quantization="gguf")
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    steps = [
+        [("a", 9)],  # prefill: module path
+        [("a", 1)],  # one decode
+        [("a", 1), ("b", 5)],  # mixed: module path
+        [("b", 1), ("a", 1)],  # two decodes
+        [("a", 1), ("b", 1)],
+    ]
+    logits, fused_calls = {}, {}
+    for name in ("fused", "modules"):
+        runner = PagedRunner(model, mc, block_size=4)
+        runner.add("a", [(i * 31 + 3) % 500 + 1 for i in range(16)])
+        runner.add("b", [(i * 17 + 5) % 500 + 1 for i in range(8)])
+        runner.step(steps[0])  # the first forward builds the stack
+        stack = model.model.fused_decode
+        assert stack is not None
+        counting = _CountingKernels(stack.lib)
+        stack.lib = counting
+        if name == "modules":
+            model.model.fused_decode = None
+        logits[name] = [runner.step(step) for step in steps[1:]]
+        fused_calls[name] = "pg_decode_layers" in counting.called
+        stack.lib = counting.lib
+        model.model.fused_decode = stack
+    assert fused_calls == {"fused": True, "modules": False}
+    for fused, modules in zip(logits["fused"], logits["modules"]):
+        assert torch.equal(fused, modules)  # the same kernels in the same order

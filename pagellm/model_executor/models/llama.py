@@ -25,6 +25,7 @@ from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
+from pagellm.model_executor.models.fused_decode import FusedDecodeStack
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight.
@@ -158,13 +159,25 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode: FusedDecodeStack | None = None
+        """All layers of a decode step in one C call (models/fused_decode.py), where the
+        loaded weights and kernels allow it; made at the first forward."""
+        self._fused_checked = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens.forward(input_ids)
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once for all layers
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer.forward(rope, hidden, residual)
+        if not self._fused_checked and not torch.compiler.is_compiling():
+            self.fused_decode, self._fused_checked = FusedDecodeStack.build(self), True
+        fused = None
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            fused = self.fused_decode.run(hidden, rope)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            residual: torch.Tensor | None = None
+            for layer in self.layers:
+                hidden, residual = layer.forward(rope, hidden, residual)
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 
