@@ -6,6 +6,11 @@ the system's C compiler at first use and cached under
 - `ggml_q8.c`: the same weights x int8-rounded activations (opt-in, llama.cpp's way)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
+- `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
+  rotary embedding of q and k in place, SiLU-and-mul (layers/layernorm.py,
+  rotary_embedding.py, activation.py)
+- `decode_step.c`: a decoder stack over a few single-token decodes in one call, made of
+  the kernels above (models/fused_decode.py)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
 build fails (logged once); callers then take their torch paths (GGUF files are
@@ -132,4 +137,13 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_paged_decode.restype = ctypes.c_int
     lib.pg_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr]
     lib.pg_write_kv.restype = None
+    f32 = ctypes.c_float
+    lib.pg_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64]
+    lib.pg_add_rms_norm.restype = None
+    lib.pg_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.pg_rope.restype = None
+    lib.pg_silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.pg_silu_and_mul.restype = None
+    lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
+    lib.pg_decode_layers.restype = ctypes.c_int
     return lib

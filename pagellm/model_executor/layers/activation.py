@@ -1,5 +1,6 @@
 """Gated activation: the fused gate_up projection output [T, 2*I] becomes act(gate) * up
-[T, I]. Only SiLU is used by the supported families."""
+[T, I]. Only SiLU is used by the supported families. float32 rows on the CPU take one C
+pass (`pg_silu_and_mul`, pagellm/kernels/layer_ops.c); `forward_torch` is the reference."""
 
 from __future__ import annotations
 
@@ -7,9 +8,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import load_kernels
+
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = load_kernels()
+        """pagellm's C kernels, or None (no compiler): `forward_torch` then runs."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = self.kernels
+        if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
+                or x.device.type != "cpu"):
+            return self.forward_torch(x)
+        t, d = x.shape[0], x.shape[1] // 2
+        out = torch.empty(t, d, dtype=torch.float32)
+        lib.pg_silu_and_mul(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
+        return out
+
+    @staticmethod
+    def forward_torch(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
 

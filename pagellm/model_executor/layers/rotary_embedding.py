@@ -4,6 +4,8 @@ divisors as llama.cpp stores them (a GGUF's `rope_freqs` tensor, e.g. Llama 3.1)
 
 Reads rope settings from either transformers 5 (`config.rope_parameters`) or the older
 `rope_theta` / `rope_scaling` attributes. cos/sin are precomputed per position in float32.
+float32 heads on the CPU are rotated in place by one C pass over q and k together
+(`pg_rope`, pagellm/kernels/layer_ops.c); `rotate_torch` is the composition it replaces.
 """
 
 from __future__ import annotations
@@ -15,10 +17,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.kernels import load_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]
-"""cos and signed sin of one step's positions, each [T, 1, head_dim] (`RotaryEmbedding.tables`)."""
+
+@dataclass
+class RopeTables:
+    """One step's rope inputs (`RotaryEmbedding.tables`), made once per forward and read
+    by every layer: the step's positions and the whole per-position tables, with the
+    rows of those positions picked out only when a layer takes the torch path."""
+
+    positions: torch.Tensor
+    """[T] int64, contiguous, each below the tables' max_position."""
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    """[max_position, D] each (`RotaryEmbedding._compute_tables`)."""
+    dtype: torch.dtype
+    """The activations' dtype."""
+    kernels: Any
+    """pagellm's C kernels where this step can use them (float32 tables on the CPU), else
+    None."""
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of the step's positions, each [T, 1, D] in `dtype`."""
+        if self._rows is None:
+            cos = self.cos_cache.index_select(0, self.positions).to(self.dtype)
+            sin = self.sin_cache.index_select(0, self.positions).to(self.dtype)
+            self._rows = cos[:, None, :], sin[:, None, :]
+        return self._rows
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.rope = rope
+        self.kernels = load_kernels()
+        """pagellm's C kernels, or None (no compiler): `rotate_torch` then runs."""
         cos, sin = self._compute_tables()
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -134,15 +164,37 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos and signed sin of the step's positions [T] -> each [T, 1, D] in `dtype`."""
-        cos = self.cos_cache.index_select(0, positions).to(dtype)
-        sin = self.sin_cache.index_select(0, positions).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+        """The step's rope inputs for positions [T] and activations of `dtype`."""
+        positions = positions.to(torch.int64).contiguous()
+        use_c = (
+            self.kernels is not None
+            and dtype == self.cos_cache.dtype == torch.float32
+            and self.cos_cache.device.type == "cpu"
+        )
+        if use_c and positions.numel() and int(positions.max()) >= self.max_position:
+            # the C pass reads table rows unchecked; index_select's error instead
+            raise IndexError(f"position {int(positions.max())} is past the rope tables' "
+                             f"{self.max_position} positions")
+        return RopeTables(positions, self.cos_cache, self.sin_cache, dtype,
+                          self.kernels if use_c else None)
 
     @staticmethod
-    def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x [T, heads, D] (q and k heads side by side) -> rotated copy."""
-        cos, sin = tables
+    def rotate_(heads: torch.Tensor, n: int, tables: RopeTables) -> None:
+        """Rotates the first `n` heads of heads [T, heads, D] in place (q and k heads of a
+        fused qkv output, v's after them untouched): one C pass over contiguous heads,
+        else `rotate_torch` and a copy back."""
+        lib = tables.kernels
+        t, _, d = heads.shape
+        if lib is None or heads.dtype != torch.float32 or heads.stride(2) != 1 or heads.stride(1) != d:
+            heads[:, :n] = RotaryEmbedding.rotate_torch(heads[:, :n], tables)
+            return
+        lib.pg_rope(heads.data_ptr(), heads.stride(0), t, n, d, tables.positions.data_ptr(),
+                    tables.cos_cache.data_ptr(), tables.sin_cache.data_ptr())
+
+    @staticmethod
+    def rotate_torch(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """x [T, heads, D] -> rotated copy, in torch ops."""
+        cos, sin = tables.rows()
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 

@@ -25,6 +25,7 @@ from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
+from pagellm.model_executor.models.fused_decode import FusedDecodeStack
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight.
@@ -65,6 +66,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], opts.qkv_bias,
             quant_config, f"{prefix}.qkv_proj",
@@ -84,16 +86,16 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor) -> torch.Tensor:
-        t, qk_size = hidden.shape[0], self.q_size + self.kv_size
+        h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj.forward(hidden)
-        # q and k heads side by side [T, H + KVH, D], so one rotation covers both
-        qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        # [T, H + KVH + KVH, D]: q heads, k heads, v heads side by side, so one rotation
+        # (in place) covers q and k
+        heads = qkv.view(hidden.shape[0], h + 2 * kvh, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.forward_single(qk[:, : self.num_heads])
-            k = self.k_norm.forward_single(qk[:, self.num_heads :])
-            qk = torch.cat([q, k], dim=1)
-        q, k = RotaryEmbedding.rotate(qk, rope).split([self.num_heads, self.num_kv_heads], 1)
+            heads[:, :h] = self.q_norm.forward_single(heads[:, :h])
+            heads[:, h : h + kvh] = self.k_norm.forward_single(heads[:, h : h + kvh])
+        RotaryEmbedding.rotate_(heads, h + kvh, rope)
+        q, k, v = heads.split(self.head_splits, 1)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
@@ -157,13 +159,25 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused_decode: FusedDecodeStack | None = None
+        """All layers of a decode step in one C call (models/fused_decode.py), where the
+        loaded weights and kernels allow it; made at the first forward."""
+        self._fused_checked = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens.forward(input_ids)
         rope = self.rotary_emb.tables(positions, hidden.dtype)  # once for all layers
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            hidden, residual = layer.forward(rope, hidden, residual)
+        if not self._fused_checked and not torch.compiler.is_compiling():
+            self.fused_decode, self._fused_checked = FusedDecodeStack.build(self), True
+        fused = None
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            fused = self.fused_decode.run(hidden, rope)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            residual: torch.Tensor | None = None
+            for layer in self.layers:
+                hidden, residual = layer.forward(rope, hidden, residual)
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 

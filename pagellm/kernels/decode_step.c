@@ -1,0 +1,110 @@
+/* A Llama-family decoder stack for a batch of single-token decodes in one call: for each
+ * layer the same kernels, in the same order, as the module path runs them one Python call
+ * at a time (layers/fused_decode.py builds the descriptions and says when it applies):
+ *
+ *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
+ *   qkv = normed @ Wqkv.T (+ b)                                           pg_gemm per group
+ *   rotate q|k heads of qkv in place                                      pg_rope
+ *   k, v heads -> this layer's paged cache                                pg_write_kv
+ *   attn = decode attention of the q heads over the cache                 pg_paged_decode
+ *   x = attn @ Wo.T (+ b)
+ *   res = res + x                         normed = rms_norm(res) * w2
+ *   gu = normed @ Wgate_up.T (+ b)        act = silu(gate) * up           pg_silu_and_mul
+ *   x = act @ Wdown.T (+ b)
+ *
+ * On return x holds the last layer's MLP output and res the residual stream, as the
+ * module path leaves them for the final norm.
+ */
+#include <stdint.h>
+#include <string.h>
+
+int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+            const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy);
+void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const float *w,
+                     int64_t T, int64_t N, float eps, float *out, int64_t ldo);
+void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
+             const float *cos_table, const float *sin_table);
+void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                     int64_t ldo);
+int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                    const float *k_store, const float *v_store, int64_t NB, int64_t bs,
+                    const int64_t *table, int64_t table_stride, const int64_t *lo,
+                    const int64_t *hi, int64_t max_slots, float scale, float *out);
+void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
+                 int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
+                 const int64_t *slots);
+
+/* Output rows [row_start, row_start + rows) of a linear, stored in one ggml type. */
+typedef struct {
+    int64_t type, row_bytes, row_start, rows;
+    const uint8_t *data;
+} pg_weight_group;
+
+typedef struct {
+    int64_t n_groups, n_in, n_out;
+    const pg_weight_group *groups;
+    const float *bias; /* [n_out] or NULL */
+} pg_linear;
+
+typedef struct {
+    const float *norm1, *norm2; /* input / post-attention RMSNorm weights */
+    pg_linear qkv, o, gate_up, down;
+    float *k_store, *v_store; /* K [KVH, NB, D, bs], V [KVH, NB, bs, D] */
+} pg_layer;
+
+/* What every layer shares in one step. Scratch rows are T x the width named. */
+typedef struct {
+    int64_t T, hidden, H, KVH, D, inter, NB, bs, table_stride, max_slots;
+    float eps, scale;
+    const int64_t *positions, *slots, *table, *lo, *hi;
+    const float *cos_table, *sin_table;
+    float *normed; /* hidden */
+    float *qkv;    /* (H + 2 KVH) D */
+    float *attn;   /* H D */
+    float *gate_up; /* 2 inter */
+    float *act;    /* inter */
+} pg_step;
+
+static int linear(const pg_linear *L, const float *x, int64_t T, float *y) {
+    for (int64_t g = 0; g < L->n_groups; g++) {
+        const pg_weight_group *w = &L->groups[g];
+        if (pg_gemm((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
+                    y + w->row_start, L->n_out))
+            return -1;
+    }
+    if (L->bias != NULL)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < L->n_out; n++) y[t * L->n_out + n] += L->bias[n];
+    return 0;
+}
+
+/* Runs `n_layers` layers over x [T, hidden] (in: the embeddings; out: the last MLP
+ * output) and res [T, hidden] (out: the residual stream). Returns 0, or -1 when a kernel
+ * failed (unsupported type, out of memory). */
+int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
+                     float *res) {
+    int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const pg_layer *L = &layers[l];
+        if (l == 0) memcpy(res, x, (size_t)(T * hid) * sizeof(float));
+        /* res += x is x += res of the module path: the same sums */
+        pg_add_rms_norm(res, hid, l == 0 ? NULL : x, hid, L->norm1, T, hid, s->eps, s->normed,
+                        hid);
+        if (linear(&L->qkv, s->normed, T, s->qkv)) return -1;
+        pg_rope(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
+                s->sin_table);
+        const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
+        pg_write_kv(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store, s->NB,
+                    s->bs, s->slots);
+        if (pg_paged_decode(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
+                            s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
+                            s->max_slots, s->scale, s->attn))
+            return -1;
+        if (linear(&L->o, s->attn, T, x)) return -1;
+        pg_add_rms_norm(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid);
+        if (linear(&L->gate_up, s->normed, T, s->gate_up)) return -1;
+        pg_silu_and_mul(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter);
+        if (linear(&L->down, s->act, T, x)) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,174 @@
+"""A Llama-family decoder stack run as one C call (`pg_decode_layers`,
+pagellm/kernels/decode_step.c) for steps of a few single-token decodes: the kernels the
+module path calls one at a time from Python (~10 calls and their checks per layer), in
+the same order, so its numbers equal the module path's.
+
+In: the loaded LlamaModel (GGUF linears on the CPU kernels, the torch attention backend
+with its C kernels, float32) and a step's embeddings, rope tables and forward context.
+Out: (last MLP output, residual stream) for the final norm, or None where the step or the
+model does not qualify (prefill chunks, more than DIRECT_MAX_ROWS rows, other kernels):
+the module path then runs. It knows the torch backend's cache layout and decode metadata.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from pagellm.attention.backend import get_forward_context
+from pagellm.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
+from pagellm.kernels import load_kernels
+from pagellm.model_executor.layers.activation import SiluAndMul
+from pagellm.model_executor.layers.linear import Linear
+from pagellm.model_executor.layers.quantization.gguf import DIRECT_MAX_ROWS, GGUFLinearMethod
+from pagellm.model_executor.layers.rotary_embedding import RopeTables
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _WeightGroup(ctypes.Structure):  # pg_weight_group
+    _fields_ = [("type", _i64), ("row_bytes", _i64), ("row_start", _i64), ("rows", _i64),
+                ("data", _ptr)]  # fmt: skip
+
+
+class _Linear(ctypes.Structure):  # pg_linear
+    _fields_ = [("n_groups", _i64), ("n_in", _i64), ("n_out", _i64),
+                ("groups", ctypes.POINTER(_WeightGroup)), ("bias", _ptr)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):  # pg_layer
+    _fields_ = [("norm1", _ptr), ("norm2", _ptr), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_store", _ptr), ("v_store", _ptr)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):  # pg_step
+    _fields_ = [
+        *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
+                              "table_stride", "max_slots")],
+        ("eps", _f32), ("scale", _f32),
+        *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "cos_table",
+                              "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
+    ]  # fmt: skip
+
+
+def _linear(layer: Linear, keep: list[Any]) -> _Linear:
+    groups = (_WeightGroup * len(layer.weight_groups))(*[
+        _WeightGroup(g.qtype, g.row_bytes, g.row_start, g.rows, g.ptr) for g in layer.weight_groups
+    ])  # fmt: skip
+    keep.append(groups)
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    return _Linear(len(groups), layer.in_features, layer.out_features, groups, bias)
+
+
+def _qualifies(model: Any, lib: Any) -> bool:
+    """GGUF linears on float32 activations (the C products), no per-head q/k norm, SiLU,
+    float32 norms and rope tables, the torch backend's C attention."""
+    if lib is None or model.rotary_emb.cos_cache.dtype != torch.float32:
+        return False
+    eps = model.layers[0].input_layernorm.variance_epsilon
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (
+            attn.q_norm is not None
+            or not isinstance(mlp.act_fn, SiluAndMul)
+            or not isinstance(attn.attn.impl, TorchAttentionImpl)
+            or attn.attn.impl.kernels is None
+            or any(not isinstance(m.quant_method, GGUFLinearMethod) or m.quant_method.q8_activations
+                   or not m.weight_groups for m in linears)
+            or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
+                   or not n.weight.is_contiguous() or n.variance_epsilon != eps for n in norms)
+        ):  # fmt: skip
+            return False
+    return True
+
+
+class FusedDecodeStack:
+    """The C descriptions of a LlamaModel's layers, and the scratch rows of a step."""
+
+    def __init__(self, model: Any, lib: Any) -> None:
+        self.lib = lib
+        self.model = model
+        first = model.layers[0]
+        attn = first.self_attn
+        self.H, self.KVH, self.D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = first.input_layernorm.weight.shape[0]
+        self.inter = first.mlp.down_proj.in_features
+        self.eps = first.input_layernorm.variance_epsilon
+        self.scale = attn.attn.impl.scale
+        self.n_layers = len(model.layers)
+        self._keep: list[Any] = []
+        self._layers = (_Layer * self.n_layers)()
+        for i, layer in enumerate(model.layers):
+            a, m = layer.self_attn, layer.mlp
+            self._layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                _linear(a.qkv_proj, self._keep), _linear(a.o_proj, self._keep),
+                _linear(m.gate_up_proj, self._keep), _linear(m.down_proj, self._keep),
+                None, None,
+            )  # fmt: skip
+        self._caches: Any = None  # the kv_caches list whose pointers _layers holds
+        rows = DIRECT_MAX_ROWS
+        widths = {"normed": self.hidden, "qkv": (self.H + 2 * self.KVH) * self.D,
+                  "attn": self.H * self.D, "gate_up": 2 * self.inter, "act": self.inter}  # fmt: skip
+        self._scratch = {n: torch.empty(rows * w, dtype=torch.float32) for n, w in widths.items()}
+        self._step = _Step()
+        for name, buf in self._scratch.items():
+            setattr(self._step, name, buf.data_ptr())
+        s = self._step
+        s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
+        s.eps, s.scale = self.eps, self.scale
+        s.cos_table = model.rotary_emb.cos_cache.data_ptr()
+        s.sin_table = model.rotary_emb.sin_cache.data_ptr()
+        self._layers_ptr = ctypes.addressof(self._layers)
+        self._step_ptr = ctypes.addressof(self._step)
+
+    @classmethod
+    def build(cls, model: Any) -> FusedDecodeStack | None:
+        """The stack for `model` (a loaded LlamaModel), or None where it does not apply."""
+        lib = load_kernels()
+        return cls(model, lib) if _qualifies(model, lib) else None
+
+    def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point each layer at its cache storage (once per cache allocation)."""
+        for i, layer in enumerate(self.model.layers):
+            k_store, v_store = layer.self_attn.attn.impl._storage(kv_caches[i])
+            self._layers[i].k_store = k_store.data_ptr()
+            self._layers[i].v_store = v_store.data_ptr()
+            self.NB, self.bs = k_store.shape[1], k_store.shape[3]
+        self._caches = kv_caches
+
+    def run(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [T, hidden] embeddings (overwritten with the last MLP output) -> (x, residual),
+        or None where this step takes the module path."""
+        md = get_forward_context().attn_metadata
+        t = x.shape[0]
+        if (
+            t > DIRECT_MAX_ROWS
+            or rope.kernels is None
+            or not isinstance(md, TorchAttentionMetadata)
+            or not md.decode_only
+            or md.num_actual_tokens != t
+            or x.dtype != torch.float32
+            or not x.is_contiguous()
+            or md.slot_mapping.dtype != torch.int64
+            or not md.slot_mapping.is_contiguous()
+        ):
+            return None
+        kv_caches = get_forward_context().kv_caches
+        if kv_caches is not self._caches:
+            self._bind_caches(kv_caches)
+        dec, s = md.decode, self._step
+        s.T, s.NB, s.bs = t, self.NB, self.bs
+        s.table, s.table_stride = dec.block_table.data_ptr(), dec.block_table.stride(0)
+        s.lo, s.hi, s.max_slots = dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots
+        s.positions, s.slots = rope.positions.data_ptr(), md.slot_mapping.data_ptr()
+        res = torch.empty_like(x)
+        if self.lib.pg_decode_layers(self._layers_ptr, self.n_layers, self._step_ptr,
+                                     x.data_ptr(), res.data_ptr()):
+            raise RuntimeError("fused decode step: a kernel failed (type or memory)")
+        return x, res

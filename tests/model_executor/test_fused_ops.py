@@ -1,0 +1,180 @@
+"""The hand-fused per-layer ops (pagellm/kernels/layer_ops.c) against the torch
+compositions they replace, on odd shapes and strided rows, in the SIMD and the portable
+build; and a whole model's logits with the fused ops against its all-torch path (the
+attention kernels off too) for a prefill, a mixed step and a decode step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from pagellm.attention import get_attn_backend
+from pagellm.kernels import load_kernels
+from pagellm.model_executor.layers.activation import SiluAndMul
+from pagellm.model_executor.layers.layernorm import RMSNorm
+from pagellm.model_executor.layers.rotary_embedding import RopeParams, RotaryEmbedding
+from pagellm.model_executor.loader import get_model
+from tests.utils import PagedRunner, make_model_config
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def lib(request: pytest.FixtureRequest) -> Any:
+    kernels = load_kernels(simd=request.param)
+    if kernels is None:
+        pytest.skip("no C compiler")
+    return kernels
+
+
+def _rows(t: int, n: int, pad: int, seed: int) -> torch.Tensor:
+    """[t, n] random rows that are `pad` floats further apart than n (a strided view)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, n + pad, generator=g)[:, :n]
+
+
+@pytest.mark.parametrize("t,n,pad", [(1, 577, 0), (3, 33, 5), (5, 7, 1)])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "plain"])
+def test_add_rms_norm_equals_add_then_norm(
+    lib: Any, t: int, n: int, pad: int, with_residual: bool
+) -> None:
+    norm = RMSNorm(n, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(_rows(1, n, 0, seed=1)[0])
+    x, residual = _rows(t, n, pad, seed=2), _rows(t, n, pad + 2, seed=3)
+    res = residual if with_residual else None
+    norm.kernels = None
+    want_out, want_res = norm._add_norm_torch(x.clone(), None if res is None else res.clone())
+    norm.kernels = lib
+    x_c = x.clone() if pad == 0 else _rows(t, n, pad, seed=2)  # keep the stride
+    got_out, got_res = norm.forward(x_c, res) if with_residual else (norm.forward_single(x_c), x_c)
+    assert got_res is x_c and torch.equal(got_res, want_res)  # the add is exact, in place
+    torch.testing.assert_close(got_out, want_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,heads,d,pad", [(1, 12, 64, 0), (4, 5, 10, 7), (2, 3, 2, 0)])
+def test_rope_in_place_equals_rotate_half(lib: Any, t: int, heads: int, d: int, pad: int) -> None:
+    """The first `heads` heads of [T, heads + 2, D] rows rotate in place; the last two
+    (v heads) stay as they were."""
+    rope = RotaryEmbedding(d, max_position=300, rope=RopeParams(10000.0, "default", {}))
+    positions = torch.tensor([0, 299, 17, 5][:t])
+    x = _rows(t, (heads + 2) * d + pad, 0, seed=4)[:, : (heads + 2) * d].view(t, heads + 2, d)
+    tables = rope.tables(positions, torch.float32)
+    want = x.clone()
+    want[:, :heads] = RotaryEmbedding.rotate_torch(x[:, :heads], tables)
+    tables.kernels = lib
+    RotaryEmbedding.rotate_(x, heads, tables)
+    torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x[:, heads:], want[:, heads:])
+
+
+def test_rope_refuses_positions_past_its_tables() -> None:
+    rope = RotaryEmbedding(8, max_position=16, rope=RopeParams(10000.0, "default", {}))
+    with pytest.raises(IndexError):
+        rope.tables(torch.tensor([3, 16]), torch.float32)
+
+
+@pytest.mark.parametrize("t,i,pad", [(1, 1537, 0), (3, 7, 3), (2, 1, 0)])
+def test_silu_and_mul_equals_silu_times_up(lib: Any, t: int, i: int, pad: int) -> None:
+    x = _rows(t, 2 * i + pad, 0, seed=5)[:, : 2 * i] * 8
+    x[0, :2] = torch.tensor([-100.0, 95.0])[: min(2, i)]  # the clamped ends of e^x
+    act = SiluAndMul()
+    act.kernels = lib
+    got = act.forward(x)
+    torch.testing.assert_close(got, SiluAndMul.forward_torch(x), rtol=2e-6, atol=1e-7)
+
+
+class _CountingKernels:
+    """The kernel library, noting which entry points were called."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib, self.called = lib, set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.called.add(name)
+        return getattr(self.lib, name)
+
+
+def _set_kernels(model: torch.nn.Module, lib: Any) -> None:
+    """Every layer's C kernels (fused ops and attention) on, or off (None)."""
+    for module in model.modules():
+        for owner in (module, getattr(module, "impl", None)):
+            if owner is not None and hasattr(owner, "kernels"):
+                owner.kernels = lib
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("llama", {"hidden_size": 72, "intermediate_size": 97}), ("qwen3", {})],
+    ids=["llama-odd", "qwen3"],
+)
+def test_fused_logits_equal_eager_torch(
+    tiny_model: Callable[..., str], family: str, overrides: dict
+) -> None:
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("no C compiler")
+    mc = make_model_config(tiny_model(family, **overrides))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    steps = [
+        [("a", 11)],  # prefill
+        [("a", 1), ("b", 7)],  # mixed: a decode and a prompt
+        [("b", 1), ("a", 1)],  # decodes
+    ]
+    logits = {}
+    counting = _CountingKernels(lib)
+    for name, kernels in (("fused", counting), ("eager", None)):
+        _set_kernels(model, kernels)
+        runner = PagedRunner(model, mc, block_size=4)
+        runner.add("a", [(i * 7919 + 13) % 49000 + 100 for i in range(13)])
+        runner.add("b", [(i * 104729 + 7) % 49000 + 100 for i in range(8)])
+        logits[name] = [runner.step(step) for step in steps]
+    _set_kernels(model, lib)
+    assert {
+        "pg_add_rms_norm",
+        "pg_rope",
+        "pg_silu_and_mul",
+        "pg_write_kv",
+        "pg_paged_decode",
+    } <= counting.called
+    for fused, eager in zip(logits["fused"], logits["eager"]):
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+def test_fused_decode_stack_equals_module_path(tmp_path: Any) -> None:
+    """The one-call decode stack (GGUF Q4_K_M mix: q|k and v in different types, so a
+    fused linear of two groups) gives the module path's logits for decode steps of one
+    and of several rows, and steps with a prompt chunk take the module path."""
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=1)
+    mc = make_model_config(path, quantization="gguf")
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    steps = [
+        [("a", 9)],  # prefill: module path
+        [("a", 1)],  # one decode
+        [("a", 1), ("b", 5)],  # mixed: module path
+        [("b", 1), ("a", 1)],  # two decodes
+        [("a", 1), ("b", 1)],
+    ]
+    logits, fused_calls = {}, {}
+    for name in ("fused", "modules"):
+        runner = PagedRunner(model, mc, block_size=4)
+        runner.add("a", [(i * 31 + 3) % 500 + 1 for i in range(16)])
+        runner.add("b", [(i * 17 + 5) % 500 + 1 for i in range(8)])
+        runner.step(steps[0])  # the first forward builds the stack
+        stack = model.model.fused_decode
+        assert stack is not None
+        counting = _CountingKernels(stack.lib)
+        stack.lib = counting
+        if name == "modules":
+            model.model.fused_decode = None
+        logits[name] = [runner.step(step) for step in steps[1:]]
+        fused_calls[name] = "pg_decode_layers" in counting.called
+        stack.lib = counting.lib
+        model.model.fused_decode = stack
+    assert fused_calls == {"fused": True, "modules": False}
+    for fused, modules in zip(logits["fused"], logits["modules"]):
+        assert torch.equal(fused, modules)  # the same kernels in the same order
