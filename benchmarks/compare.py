@@ -4,11 +4,16 @@ transformers, and optionally vLLM and llama.cpp, each in its own subprocess (own
 memory and start-up time). Prints one table with the machine's measured limit; writes
 benchmarks/results/<timestamp>.json.
 
-    python benchmarks/compare.py                      # pagellm, pagellm-f32, pagellm-mp, hf
-    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server ~/llama.cpp/build/bin/llama-server
+    python benchmarks/compare.py                      # pagellm, pagellm-q8, pagellm-f32, pagellm-mp, hf
+    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server $B/llama-server \
+        --llama-batched-bench $B/llama-batched-bench --llama-bench $B/llama-bench  # + peers, best settings
     python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
     python benchmarks/compare.py --workloads S --systems pagellm,pagellm-f32,llamacpp-bench \
-        --llama-bench ~/llama.cpp/build/bin/llama-bench --repeat 3   # single stream, a-b-a-b
+        --llama-bench $B/llama-bench --repeat 3   # single stream, a-b-a-b
+
+($B: llama.cpp's build/bin.) Peers run at their best documented settings (`vllm_env`,
+`llamacpp_best_flags`); `vllm-default` and `llamacpp-default` run them at their own
+defaults. Every row states its settings.
 """
 
 from __future__ import annotations

@@ -3,7 +3,12 @@ started on the same model, driven by `pagellm bench serve` with the same prompts
 request rate, and stopped. Prints one table; writes benchmarks/results/serve-<timestamp>.json.
 
     python benchmarks/compare_serve.py                         # pagellm only
-    python benchmarks/compare_serve.py --vllm-venv ~/venvs/vllm --llamacpp-venv ~/venvs/llamacpp
+    python benchmarks/compare_serve.py --vllm-venv ~/venvs/vllm --llama-server $B/llama-server
+    python benchmarks/compare_serve.py --systems pagellm,vllm,vllm-default,llamacpp,llamacpp-default ...
+
+Peers run at their best documented settings (compare.py's `vllm_env`,
+`llamacpp_server_command`); the *-default servers at the peer's own defaults. Every row
+states its settings.
 
 Default load: 32 requests, 128 tokens in, 64 out (ignore_eos), at 4 requests/s and all at
 once (inf). Each rate gets its own prompts (seed + rate index), the same for every server,
