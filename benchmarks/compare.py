@@ -483,6 +483,17 @@ def vllm_settings(env: dict[str, str], flags: str) -> str:
     return " ".join([*parts, flags]).strip()
 
 
+VLLM_LOG_MARKERS = ("OpenMP thread binding", "VLLM_CPU_OMP_THREADS_BIND=", "reserve_cpu_num",
+                    "core ids", "reserved_cpus", "LD_PRELOAD", "KV cache", "NUMA binding")
+
+
+def vllm_log_lines(text: str, limit: int = 12) -> list[str]:
+    """What vLLM's log says it did with the cores and the KV cache (its thread-binding
+    report, LD_PRELOAD warnings, KV cache size), to check that the settings took."""
+    return [ln.strip()[-300:] for ln in text.splitlines()
+            if any(m in ln for m in VLLM_LOG_MARKERS)][:limit]
+
+
 def vllm_command(args: argparse.Namespace, req: dict[str, Any], tmp: Path) -> list[str]:
     """vLLM's offline LLM.generate on the same token ids, run by the venv's python."""
     model_dir = hf_model_dir(args.model, tmp / "hf_model")
@@ -841,10 +852,8 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
     out = json.loads(lines[-1][len(RESULT_PREFIX):])
     if settings is not None:
         out["settings"] = settings
-        # what vLLM says it did with the cores (its thread-binding lines), to check the settings took
-        binding = [ln.strip()[-300:] for ln in log.read_text(errors="replace").splitlines()
-                   if "OMP" in ln or "bind" in ln.lower() or "KV cache" in ln][:8]
-        out["details"] = {**(out.get("details") or {}), "env": settings, "vllm_log": binding}
+        out["details"] = {**(out.get("details") or {}), "env": settings,
+                          "vllm_log": vllm_log_lines(stdout + "\n" + log.read_text(errors="replace"))}
     out["launch_time"], out["tree_peak_rss_mb"] = launch, monitor.peak_mb
     out["tree_peak_pss_mb"] = max(monitor.peak_pss_mb or 0, out.get("post_run_pss_mb") or 0) or None
     return out

@@ -38,6 +38,7 @@ from compare import (  # noqa: E402
     hf_model_dir,
     llamacpp_server_command,
     vllm_env,
+    vllm_log_lines,
     vllm_settings,
     wait_for_server,
 )
@@ -128,8 +129,11 @@ def run_server(args: argparse.Namespace, system: str, rates: list[float], tmp: P
             proc.kill()
             proc.wait()
         monitor.stop()
+    vllm_log = vllm_log_lines(log.read_text(errors="replace")) if system.startswith("vllm") else None
     for row in rows:
         row["peak_rss_mb"] = monitor.peak_mb
+        if vllm_log is not None:
+            row["vllm_log"] = vllm_log  # its thread binding and KV cache, to check the settings took
     return rows
 
 

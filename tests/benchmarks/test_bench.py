@@ -337,6 +337,11 @@ def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.Monk
     env, removed = compare.vllm_env(args, "vllm-default")
     assert env == {} and removed == ("VLLM_CPU_KVCACHE_SPACE",)
     assert compare.vllm_settings(env, "LLM()").startswith("vLLM's defaults")
+    log = "INFO x\nOpenMP thread binding info: \n\tlocal_world_size=1, reserve_cpu_num=0\n" \
+          "\tlocal_rank=0, core ids=[0, 1]\n\treserved_cpus=[]\nINFO y"
+    assert compare.vllm_log_lines(log) == ["OpenMP thread binding info:", "local_world_size=1, "
+                                           "reserve_cpu_num=0", "local_rank=0, core ids=[0, 1]",
+                                           "reserved_cpus=[]"]
     cores = str(compare.physical_cores())
     cmd, slots, _, settings = compare.llamacpp_server_command(args, 8000, 100, 64)
     assert slots == 64 and settings.startswith("llama-server -np 64 -c 6400 ")
