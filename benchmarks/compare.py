@@ -457,12 +457,16 @@ def vllm_env(args: argparse.Namespace, system: str) -> tuple[dict[str, str], tup
     `vllm` follows vLLM's CPU docs (docs/getting_started/installation/cpu.md: "Related
     runtime environment variables", the FAQ on VLLM_CPU_OMP_THREADS_BIND and
     VLLM_CPU_KVCACHE_SPACE, and "set LD_PRELOAD"): every core computes
-    (VLLM_CPU_NUM_OF_RESERVED_CPU=0; with its default `auto` binding vLLM keeps one core
-    of two for its frontend), OpenMP threads bound one per core by its `auto` binding, a
-    4 GiB KV cache, TCMalloc and Intel OpenMP preloaded. `vllm-default` removes every
-    VLLM_CPU_* variable so vLLM runs at its own defaults."""
+    (VLLM_CPU_NUM_OF_RESERVED_CPU=0; with its default `auto` binding vLLM 0.32 on x86
+    keeps one core per rank for its frontend, half of a 2-core machine), OpenMP threads
+    bound one per core by its `auto` binding, a 4 GiB KV cache, TCMalloc and Intel
+    OpenMP preloaded. `vllm-default` runs at vLLM's defaults but for the KV cache size
+    (VLLM_CPU_KVCACHE_SPACE=4; unset, vLLM 0.32 reserves 92% of the machine's memory and
+    refuses to start when other processes hold more than 8%); every other VLLM_CPU_*
+    variable is removed. (`vllm` keeps VLLM_CPU_* variables it does not set.)"""
     if system.endswith("-default"):
-        return {}, tuple(k for k in os.environ if k.startswith("VLLM_CPU_"))
+        removed = tuple(k for k in os.environ if k.startswith("VLLM_CPU_"))
+        return {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB)}, removed
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB),
            "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     preload = vllm_preload(args.vllm_venv)
@@ -471,14 +475,14 @@ def vllm_env(args: argparse.Namespace, system: str) -> tuple[dict[str, str], tup
     return env, ()
 
 
-def vllm_settings(env: dict[str, str], flags: str) -> str:
+def vllm_settings(env: dict[str, str], flags: str, best: bool = True) -> str:
     """One line naming what a vLLM run was given: its environment (LD_PRELOAD by file
     name) and its flags."""
-    if not env:
-        return f"vLLM's defaults (no VLLM_CPU_* set) {flags}".strip()
     parts = [f"{k}={':'.join(Path(x).name for x in v.split(':')) if k == 'LD_PRELOAD' else v}"
              for k, v in env.items()]
-    if "LD_PRELOAD" not in env:
+    if not best:
+        parts.append("(vLLM's defaults otherwise: one core reserved for its frontend)")
+    elif "LD_PRELOAD" not in env:
         parts.append("(no LD_PRELOAD: TCMalloc and libiomp5.so not found)")
     return " ".join([*parts, flags]).strip()
 
@@ -830,7 +834,7 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         cmd = vllm_command(args, req, tmp)
         extra, removed = vllm_env(args, system)
         env = {**{k: v for k, v in env.items() if k not in removed}, **extra}
-        settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})")
+        settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})", best=system == "vllm")
     else:
         cmd = worker_command(args, system, req_file)
     log = tmp / f"{system}.log"

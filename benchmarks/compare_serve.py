@@ -71,7 +71,8 @@ def server_command(args: argparse.Namespace, system: str, port: int,
         env, removed = vllm_env(args, system)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), *flags]
-        return cmd, env, removed, vllm_settings(env, "vllm serve " + " ".join(flags))
+        return cmd, env, removed, vllm_settings(env, "vllm serve " + " ".join(flags),
+                                                best=system == "vllm")
     n_ctx = args.input_len + args.output_len + 64
     cmd, _, _, settings = llamacpp_server_command(args, port, n_ctx, args.num_prompts,
                                                   best=system == "llamacpp")

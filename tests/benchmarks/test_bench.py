@@ -335,8 +335,8 @@ def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.Monk
     assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in compare.vllm_settings(env, "LLM()")
     env, removed = compare.vllm_env(args, "vllm-default")
-    assert env == {} and removed == ("VLLM_CPU_KVCACHE_SPACE",)
-    assert compare.vllm_settings(env, "LLM()").startswith("vLLM's defaults")
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4"} and removed == ("VLLM_CPU_KVCACHE_SPACE",)
+    assert "vLLM's defaults otherwise" in compare.vllm_settings(env, "LLM()", best=False)
     log = "INFO x\nOpenMP thread binding info: \n\tlocal_world_size=1, reserve_cpu_num=0\n" \
           "\tlocal_rank=0, core ids=[0, 1]\n\treserved_cpus=[]\nINFO y"
     assert compare.vllm_log_lines(log) == ["OpenMP thread binding info:", "local_world_size=1, "
