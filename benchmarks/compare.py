@@ -651,6 +651,20 @@ def llama_bench_commands(args: argparse.Namespace, n_in: int, n_out: int) -> lis
             base + ["-p", "0", "-n", str(n_out), "-d", str(n_in)]]
 
 
+def run_monitored(cmd: list[str], name: str, timeout: float) -> tuple[str, str, PeakRss]:
+    """Runs one of llama.cpp's tools to the end, sampling its memory: (stdout, stderr,
+    the memory monitor); a non-zero exit raises with the end of its stderr."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    monitor = PeakRss(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        monitor.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} exited with {proc.returncode}: {stderr[-800:]}")
+    return stdout, stderr, monitor
+
+
 def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's own benchmark tool on a one-request workload: out tok/s = n_out / the
     pp+tg test's mean time (prefill and decode of one sequence), decode tok/s = the tg test
@@ -661,14 +675,7 @@ def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict
     n_in, n_out = req["input"][0], req["output"][0]
     tests, peak_rss, peak_pss, commands = [], 0.0, 0.0, llama_bench_commands(args, n_in, n_out)
     for cmd in commands:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        monitor = PeakRss(proc.pid)
-        try:
-            stdout, stderr = proc.communicate(timeout=args.worker_timeout)
-        finally:
-            monitor.stop()
-        if proc.returncode != 0:
-            raise RuntimeError(f"llama-bench exited with {proc.returncode}: {stderr[-800:]}")
+        stdout, _, monitor = run_monitored(cmd, "llama-bench", args.worker_timeout)
         tests += json.loads(stdout)
         peak_rss, peak_pss = max(peak_rss, monitor.peak_mb), max(peak_pss, monitor.peak_pss_mb or 0)
 
@@ -711,14 +718,7 @@ def worker_llamacpp_batched(args: argparse.Namespace, req: dict[str, Any]) -> di
         raise ValueError("llama-batched-bench runs one prompt and one output length (W, S)")
     pl, pp, tg = len(req["input"]), ins.pop(), outs.pop()
     cmd, flags = llama_batched_bench_command(args, pl, pp, tg)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    monitor = PeakRss(proc.pid)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.worker_timeout)
-    finally:
-        monitor.stop()
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench exited with {proc.returncode}: {stderr[-800:]}")
+    stdout, stderr, monitor = run_monitored(cmd, "llama-batched-bench", args.worker_timeout)
     results = [json.loads(ln) for ln in (stdout + "\n" + stderr).splitlines()
                if ln.startswith("{") and '"speed_tg"' in ln]
     if not results:

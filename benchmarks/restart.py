@@ -14,20 +14,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import psutil
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from local_server import local_server
 
 
 def _engine_pid(server_pid: int) -> int:
@@ -95,28 +87,11 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("serve_flags", nargs="*", help="extra flags for pagellm serve (after --)")
     args = ap.parse_args()
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port), "--max-model-len", "1024",
-           "--restart-engine-on-failure", *(["--model", args.model] if args.model else []), *args.serve_flags]
-    server = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    with local_server(args.model, ["--restart-engine-on-failure", *args.serve_flags]) as (server, url):
         rows = asyncio.run(run(url, server.pid, args.kills, args.streams))
         times = [r["health_200_s"] for r in rows]
         print(f"kill -> /health 200: median {statistics.median(times):.1f} s, max {max(times):.1f} s "
               f"over {len(times)} kills; every stream failed within {max(r['failed_within_s'] for r in rows):.2f} s")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

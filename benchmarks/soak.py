@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import psutil
+from local_server import local_server
 
 
 @dataclass
@@ -35,12 +32,6 @@ class Minute:
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
     rss_mib: list[float] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -131,32 +122,14 @@ def main() -> None:
     ap.add_argument("serve_flags", nargs="*", help="extra flags for pagellm serve (after --)")
     args = ap.parse_args()
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port), "--max-model-len", "1024",
-           *(["--model", args.model] if args.model else []), *args.serve_flags]
-    server = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with local_server(args.model, args.serve_flags) as (server, url):
         # one request to warm up before the clock starts
         httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=120)
         before = _resources(server.pid)
         table = asyncio.run(soak(url, server.pid, args.minutes, args.rate, args.max_tokens, args.seed))
         after = _resources(server.pid)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
-    print(f"soak: {args.minutes:g} min at {args.rate:g} req/s, {args.max_tokens} tokens each, port {port}")
+    print(f"soak: {args.minutes:g} min at {args.rate:g} req/s, {args.max_tokens} tokens each, {url}")
     print("minute  sent  done  failed  TTFT p50/p99 (ms)  TPOT p50/p99 (ms)  RSS MiB (mean)")
     for i, m in enumerate(table):
         rss = statistics.mean(m.rss_mib) if m.rss_mib else float("nan")

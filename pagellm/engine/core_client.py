@@ -419,7 +419,7 @@ def _decode_frame(frame: Any, utility: dict) -> EngineCoreOutputs | EngineFailur
     """One output frame -> EngineCoreOutputs; an EngineFailure for an engine's dead frame;
     None for a utility reply, which resolves its future here."""
     buf = frame.buffer
-    if buf[:_DEAD_PREFIX_LEN] == _DEAD_PREFIX:
+    if buf[:len(ENGINE_CORE_DEAD)] == ENGINE_CORE_DEAD:  # a look at the prefix, no copy of the frame
         rank, cause = parse_engine_dead_frame(bytes(buf))  # type: ignore[misc]
         return EngineFailure(rank, cause)
     outputs = serial.outputs_decoder.decode(buf)
@@ -427,10 +427,6 @@ def _decode_frame(frame: Any, utility: dict) -> EngineCoreOutputs | EngineFailur
         _resolve_utility(utility, outputs.utility_output)
         return None
     return outputs
-
-
-_DEAD_PREFIX = ENGINE_CORE_DEAD
-_DEAD_PREFIX_LEN = len(ENGINE_CORE_DEAD)
 
 
 def _resolve_utility(futures: dict[int, Any], out: Any) -> None:
