@@ -3,6 +3,8 @@ the system's C compiler at first use and cached under
 `<PAGELLM_CACHE_DIR>/kernels/<hash of sources, flags, CPU>/`. No build step at install.
 
 - `ggml_cpu.c`: GGUF block-quantized weights x float32 activations (quantization/gguf.py)
+- `ggml_gemm.c`: the same for many input rows: weight rows dequantized a cache-sized
+  block at a time and used against every row (batched decode, prefill)
 - `ggml_q8.c`: the same weights x int8-rounded activations (opt-in, llama.cpp's way)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
@@ -121,6 +123,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pg_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64]
     lib.pg_gemm.restype = ctypes.c_int
+    lib.pg_gemm_batched.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64]
+    lib.pg_gemm_batched.restype = ctypes.c_int
     lib.pg_dequant_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
     lib.pg_dequant_rows.restype = ctypes.c_int
     lib.pg_type_supported.argtypes = [ctypes.c_int]

@@ -401,6 +401,12 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
+/* Row `row` of `type` as K float32 values (for ggml_gemm.c, which calls it per row inside
+ * its own thread team). */
+void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
+    dequant_row(type, row, K, out);
+}
+
 /* sum_k a[k] * b[k] */
 static inline float dot1(const float *a, const float *b, int64_t K) {
     int64_t k = 0;

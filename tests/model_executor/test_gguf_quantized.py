@@ -66,11 +66,42 @@ def test_kernel_product_matches_float64_reference(qtype: str, simd: bool) -> Non
         assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) <= 1e-5, (qtype, m)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "portable"])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_batched_kernel_matches_float64_reference_and_is_batch_invariant(
+        qtype: str, simd: bool) -> None:
+    """pg_gemm_batched (ggml_gemm.c) on a 37 x 768 weight (37: a partial block of weight
+    rows for every tile width), M = 9, 16, 17, 33, 64 and 700 (700 rows are packed in
+    several chunks), into the middle columns of a wider Y: within 1e-5 of float64, other
+    columns untouched, and each row's result bit-identical whatever batch it is in."""
+    lib = kernels.load_kernels(simd)
+    assert lib is not None
+    rng = np.random.default_rng(5)
+    n, k, ldy = 37, 768, 41
+    data = random_blocks(qtype, n, k, rng)
+    ref, t = _reference(data, qtype, n, k), int(gguf.GGMLQuantizationType[qtype])
+    x_all = rng.standard_normal((700, k)).astype(np.float32)
+    results = {}
+    for m in (9, 16, 17, 33, 64, 700):
+        x = np.ascontiguousarray(x_all[-m:])  # every batch ends with the same rows
+        y = np.full((m, ldy), 7.0, np.float32)
+        rc = lib.pg_gemm_batched(t, data.ctypes.data, data.shape[1], n, k, x.ctypes.data, k,
+                                 m, y[:, 2:].ctypes.data, ldy)
+        assert rc == 0
+        y_ref = x.astype(np.float64) @ ref.T
+        assert np.linalg.norm(y[:, 2:2 + n] - y_ref) / np.linalg.norm(y_ref) <= 1e-5, (qtype, m)
+        assert (y[:, :2] == 7.0).all() and (y[:, 2 + n:] == 7.0).all()
+        results[m] = y[:, 2:2 + n]
+    for m, y in results.items():
+        np.testing.assert_array_equal(y[-9:], results[9])
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 200, 300])
 def test_gguf_matmul_groups_and_tiles(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fused weight of two types (Q4_K rows then Q6_K rows, as in Q4_K_M's q|k|v) in
-    both shape paths: the direct kernel (few rows) and dequantized tiles + matmul (the
-    scratch tile forced smaller than a group, so a group takes several tiles)."""
+    three shape paths: the direct kernel (few rows), the batched kernel (up to
+    BATCHED_MAX_ROWS) and dequantized tiles + matmul (the scratch tile forced smaller than
+    a group, so a group takes several tiles)."""
     monkeypatch.setattr(gguf_method, "SCRATCH_VALUES", 40 * 512)
     rng = np.random.default_rng(3)
     k = 512

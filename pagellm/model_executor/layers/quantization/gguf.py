@@ -10,8 +10,10 @@ with no kernel is dequantized to float32 at load, with one log line naming the t
 
 Shapes. Up to `DIRECT_MAX_ROWS` rows (decode steps) the kernel reads each weight row
 once and dots it with every input row (memory-bound: the weight's bytes are the cost).
-More rows (prefill, big batches) are compute-bound: a tile of weight rows is dequantized
-into a float32 scratch buffer and multiplied by torch's matmul.
+Up to `BATCHED_MAX_ROWS` (batched decode) `ggml_gemm.c` dequantizes a few weight rows at
+a time into a cache-resident buffer and multiplies them against all rows there. More rows
+(prefill) are compute-bound enough that a 16 MiB tile of weight rows is dequantized into
+a float32 scratch buffer and multiplied by torch's matmul (oneDNN's blocking wins there).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ logger = init_logger(__name__)
 
 DIRECT_MAX_ROWS = 8
 """Input rows up to which the direct kernel runs; above, dequantized tiles + matmul."""
+
+BATCHED_MAX_ROWS = 256
+"""Input rows up to which `pg_gemm_batched` runs; above, dequantized tiles + matmul."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
@@ -213,6 +218,15 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
                                     dx.data_ptr(), sx.data_ptr(), m, out, n_out)
             else:
                 rc = gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, out, n_out)
+            if rc:
+                raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
+        return y
+    if m <= BATCHED_MAX_ROWS:
+        y = torch.empty(m, n_out, dtype=torch.float32)
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        for g in groups:
+            rc = lib.pg_gemm_batched(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m,
+                                     y_ptr + 4 * g.row_start, n_out)
             if rc:
                 raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
         return y

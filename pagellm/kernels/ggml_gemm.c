@@ -1,0 +1,185 @@
+/* GGUF block-quantized weights x float32 activations for many input rows (batched
+ * decode steps, prefill chunks): Y[m, n] = sum_k X[m, k] * W[n, k].
+ *
+ *   pg_gemm_batched(type, W, row_bytes, N, K, X, ldx, M, Y, ldy)
+ *
+ * The weight is never dequantized as a whole: a block of NR weight rows is dequantized
+ * into a per-thread buffer that stays in L1/L2 and is used at once against every input
+ * row of the current chunk. X is packed once per chunk into panels of MR rows,
+ *
+ *   Xp[p][k][i] = X[m0 + p*MR + i, k]     (zero past the chunk's last row)
+ *
+ * and the micro-kernel holds an NR x MR tile of Y^T in registers, adding
+ * w[r][k] * Xp[p][k][0:MR] for k = 0, 1, ..., K-1 in order. Each Y value is therefore the
+ * plain sequential sum over k: it does not depend on M, on the other rows of the batch,
+ * or on the thread count.
+ *
+ * Chunks: X is taken CHUNK_BYTES at a time (a whole prefill would not stay in cache), so a
+ * weight row is dequantized once per chunk. Threads: OpenMP over weight-row blocks.
+ * The AVX-512 and AVX2 kernels are chosen at run time (target attributes), so the library
+ * needs no global -mavx512f; the portable build (PG_NO_SIMD) runs plain C loops.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out);
+int pg_type_supported(int type);
+
+#define CHUNK_BYTES (1 << 20) /* packed X per chunk: about half an L2 */
+#define NR_MAX 12
+#define MR_MAX 32
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(PG_NO_SIMD)
+#include <immintrin.h>
+#define PG_X86_DISPATCH 1
+#endif
+
+/* t[r][i] = sum_k w[r][k] * xp[k][i] for r < NR, i < MR (t is NR x MR, row-major). */
+typedef void (*tile_fn)(const float *const *w, int64_t K, const float *xp, float *t);
+
+#ifdef PG_X86_DISPATCH
+/* AVX-512: 12 weight rows x 32 input rows (two vectors) = 24 accumulators. NV = 1 takes
+ * the panel's first 16 rows only (a short last panel). */
+#define TILE512(NV)                                                                        \
+    __attribute__((target("avx512f,fma"))) static void tile512_##NV(                      \
+        const float *const *w, int64_t K, const float *xp, float *t) {                    \
+        __m512 acc[12][NV];                                                                \
+        for (int r = 0; r < 12; r++)                                                       \
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();                  \
+        for (int64_t k = 0; k < K; k++) {                                                  \
+            __m512 x[NV];                                                                  \
+            for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(xp + k * 32 + 16 * v);     \
+            _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) {                        \
+                __m512 b = _mm512_set1_ps(w[r][k]);                                        \
+                for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(b, x[v], acc[r][v]); \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < 12; r++)                                                       \
+            for (int v = 0; v < NV; v++) _mm512_storeu_ps(t + r * 32 + 16 * v, acc[r][v]); \
+    }
+TILE512(1)
+TILE512(2)
+
+/* AVX2: 6 weight rows x 16 input rows (two vectors) = 12 accumulators. */
+#define TILE256(NV)                                                                        \
+    __attribute__((target("avx2,fma"))) static void tile256_##NV(                         \
+        const float *const *w, int64_t K, const float *xp, float *t) {                    \
+        __m256 acc[6][NV];                                                                 \
+        for (int r = 0; r < 6; r++)                                                        \
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();                  \
+        for (int64_t k = 0; k < K; k++) {                                                  \
+            __m256 x[NV];                                                                  \
+            for (int v = 0; v < NV; v++) x[v] = _mm256_loadu_ps(xp + k * 16 + 8 * v);      \
+            _Pragma("GCC unroll 6") for (int r = 0; r < 6; r++) {                          \
+                __m256 b = _mm256_set1_ps(w[r][k]);                                        \
+                for (int v = 0; v < NV; v++) acc[r][v] = _mm256_fmadd_ps(b, x[v], acc[r][v]); \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < 6; r++)                                                        \
+            for (int v = 0; v < NV; v++) _mm256_storeu_ps(t + r * 16 + 8 * v, acc[r][v]);  \
+    }
+TILE256(1)
+TILE256(2)
+#endif
+
+/* Portable: 4 weight rows x 8 input rows. */
+static void tile_c(const float *const *w, int64_t K, const float *xp, float *t) {
+    float acc[4][8] = {{0}};
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < 4; r++)
+            for (int i = 0; i < 8; i++) acc[r][i] += w[r][k] * xp[k * 8 + i];
+    memcpy(t, acc, sizeof(acc));
+}
+
+typedef struct {
+    int nr, mr;          /* tile: weight rows x input rows */
+    tile_fn full, half;  /* half: the first mr/2 input rows only (NULL: none) */
+} kernel;
+
+static kernel pick_kernel(void) {
+#ifdef PG_X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return (kernel){12, 32, tile512_2, tile512_1};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return (kernel){6, 16, tile256_2, tile256_1};
+#endif
+    return (kernel){4, 8, tile_c, NULL};
+}
+
+/* Xp panels for rows [m0, m0 + rows) of X (see the header), zero-padded to whole panels. */
+static void pack_x(const float *X, int64_t ldx, int64_t m0, int64_t rows, int64_t K, int mr,
+                   float *xp) {
+    int64_t panels = (rows + mr - 1) / mr;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = xp + p * K * mr;
+        int64_t n = rows - p * mr < mr ? rows - p * mr : mr;
+        if (n < mr) memset(dst, 0, (size_t)(K * mr) * sizeof(float));
+        for (int64_t i = 0; i < n; i++) {
+            const float *src = X + (m0 + p * mr + i) * ldx;
+            for (int64_t k = 0; k < K; k++) dst[k * mr + i] = src[k];
+        }
+    }
+}
+
+int pg_gemm_batched(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                    const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
+    if (!pg_type_supported(type)) return -1;
+    const kernel kn = pick_kernel();
+    const int nr = kn.nr, mr = kn.mr;
+    int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / mr * mr;
+    if (chunk < mr) chunk = mr;
+    if (chunk > M) chunk = (M + mr - 1) / mr * mr;
+    float *xp = (float *)aligned_alloc(64, (size_t)(chunk * K) * sizeof(float));
+    if (xp == NULL) return -1;
+    const int64_t blocks = (N + nr - 1) / nr;
+    int failed = 0;
+#pragma omp parallel if (N * K * M >= 262144)
+    {
+        /* wbuf: this thread's dequantized weight rows (f32 weights are read in place). */
+        float *wbuf = (float *)aligned_alloc(64, (size_t)(nr * K) * sizeof(float));
+        float t[NR_MAX * MR_MAX];
+        if (wbuf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+            pack_x(X, ldx, m0, rows, K, mr, xp); /* ends with the team's barrier */
+            if (wbuf == NULL) continue;
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * nr;
+                const int valid = N - n0 < nr ? (int)(N - n0) : nr;
+                const float *w[NR_MAX];
+                for (int r = 0; r < nr; r++) {
+                    float *row = wbuf + (int64_t)r * K;
+                    if (r >= valid) {
+                        memset(row, 0, (size_t)K * sizeof(float));
+                        w[r] = row;
+                    } else if (type == 0) {
+                        w[r] = (const float *)(W + (n0 + r) * row_bytes);
+                    } else {
+                        pg_dequant_row(type, W + (n0 + r) * row_bytes, K, row);
+                        w[r] = row;
+                    }
+                }
+                for (int64_t i0 = 0; i0 < rows; i0 += mr) {
+                    const int64_t left = rows - i0;
+                    const int half = kn.half != NULL && left <= mr / 2;
+                    (half ? kn.half : kn.full)(w, K, xp + i0 * K, t);
+                    const int64_t take = left < mr ? left : mr;
+                    for (int64_t i = 0; i < take; i++) {
+                        float *y = Y + (m0 + i0 + i) * ldy + n0;
+                        for (int r = 0; r < valid; r++) y[r] = t[r * mr + i];
+                    }
+                }
+            }
+#pragma omp barrier /* xp is repacked for the next chunk */
+        }
+        free(wbuf);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
