@@ -236,13 +236,16 @@ class TorchAttentionImpl(AttentionImpl):
                             metadata.slot_mapping.data_ptr())
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
-        if metadata.decode_only and metadata.decode and n == query.shape[0]:
-            if lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim:
-                return self._decode_c(lib, query, k_store, v_store, metadata.decode)
-            return self._decode(query, k_store, v_store, metadata.decode)  # no scatter needed
+        c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
+        dec = metadata.decode
+        if metadata.decode_only and dec and n == query.shape[0]:
+            if c_decode:
+                return self._decode_c(lib, query, k_store, v_store, dec)
+            return self._decode(query, k_store, v_store, dec)  # no scatter needed
         out = query.new_zeros(query.shape) if n < query.shape[0] else torch.empty_like(query)
-        if metadata.decode is not None:
-            out[metadata.decode.rows] = self._decode(query, k_store, v_store, metadata.decode)
+        if dec is not None:  # the decode rows of a mixed step: the same kernel as above
+            out[dec.rows] = (self._decode_c(lib, query[dec.rows], k_store, v_store, dec)
+                             if c_decode else self._decode(query, k_store, v_store, dec))
         for chunk in metadata.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, k_store, v_store, chunk
@@ -377,15 +380,23 @@ class TorchAttentionImpl(AttentionImpl):
             v = v_store.index_select(1, chunk.block_ids)
             k = k.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
             v = v.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
-        # [KVH, L, D] -> [H, L, D]: each KV head repeated for its `group` query heads.
-        k = k.repeat_interleave(self.group, dim=0)
-        v = v.repeat_interleave(self.group, dim=0)
+        gqa = {}
+        if self.group > 1 and _SDPA_GQA:  # query head h reads KV head h // group in place
+            gqa = {"enable_gqa": True}
+        elif self.group > 1:  # [KVH, L, D] -> [H, L, D]: each KV head copied `group` times
+            k = k.repeat_interleave(self.group, dim=0)
+            v = v.repeat_interleave(self.group, dim=0)
         # With a batch dim the CPU flash kernel runs; 3-D inputs fall back to the math
         # path, 2x slower at 128 tokens and 4x at 512.
         o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
+            q[None], k[None], v[None], attn_mask=chunk.mask, is_causal=chunk.mask is None,
+            scale=self.scale, **gqa,
         )
         return o[0].transpose(0, 1)  # [q_len, H, D]
+
+
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+"""scaled_dot_product_attention takes `enable_gqa` (torch 2.5+)."""
 
 
 def c_kernels() -> Any:

@@ -99,3 +99,48 @@ def test_c_decode_attends_over_the_window_only() -> None:
     meta = builder.build(common)
     out = impl.forward(torch.zeros(1, 1, 2), k_cache[7, 1:2], v_rows[9:10, None], (k_cache, v_cache), meta)
     torch.testing.assert_close(out[0, 0], v_rows[4:10].mean(0))
+
+
+def test_decode_rows_of_a_mixed_step_equal_a_decode_only_step() -> None:
+    """Two decodes split around a 5-token prompt chunk (rows 0 and 6 of 7) get bit for bit
+    the output a decode-only step of the same two requests gives them: mixed steps take
+    the same C kernel, not a second decode path."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(48, BS, KVH, D, torch.float32, torch.device("cpu"))
+    impl = TorchAttentionImpl(H, D, D**-0.5, KVH)
+    assert impl.kernels is not None
+    builder = TorchAttentionMetadataBuilder(BS, torch.device("cpu"))
+    tables = torch.stack([torch.randperm(16, generator=gen) + 16 * b for b in range(3)])
+    lens = {0: 7, 2: 30}  # requests 0 and 2 decode; request 1 is the prompt chunk
+
+    def slot(b: int, p: int) -> int:
+        return int(tables[b, p // BS]) * BS + p % BS
+
+    for b, n in lens.items():  # their contexts, written straight into the blocks
+        for p in range(n):
+            k_cache[tables[b, p // BS], p % BS] = torch.randn(KVH, D, generator=gen)
+            v_cache[tables[b, p // BS], p % BS] = torch.randn(KVH, D, generator=gen)
+    q_dec = torch.randn(2, H, D, generator=gen)
+    k_dec = torch.stack([k_cache[tables[b, (n - 1) // BS], (n - 1) % BS] for b, n in lens.items()])
+    v_dec = torch.stack([v_cache[tables[b, (n - 1) // BS], (n - 1) % BS] for b, n in lens.items()])
+
+    def step(reqs: list[int], q_lens: list[int], seq_lens: list[int], slots: list[int],
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        common = CommonAttentionMetadata(
+            num_reqs=len(reqs), num_actual_tokens=qsl[-1], query_start_loc=torch.tensor(qsl),
+            seq_lens=torch.tensor(seq_lens), block_table=tables[reqs], slot_mapping=torch.tensor(slots),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens, max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens), block_size=BS,
+        )
+        return impl.forward(q, k, v, (k_cache, v_cache), builder.build(common))
+
+    decode_only = step([0, 2], [1, 1], [7, 30], [slot(0, 6), slot(2, 29)], q_dec, k_dec, v_dec)
+    chunk = [torch.randn(5, *shape, generator=gen) for shape in ((H, D), (KVH, D), (KVH, D))]
+    mixed = step(
+        [0, 1, 2], [1, 5, 1], [7, 5, 30], [slot(0, 6), *(slot(1, p) for p in range(5)), slot(2, 29)],
+        *(torch.cat([a[:1], c, a[1:]]) for a, c in zip((q_dec, k_dec, v_dec), chunk)),
+    )
+    assert torch.equal(mixed[[0, 6]], decode_only)

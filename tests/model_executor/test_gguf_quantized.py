@@ -92,7 +92,7 @@ def test_batched_kernel_matches_float64_reference_and_is_batch_invariant(
         assert np.linalg.norm(y[:, 2:2 + n] - y_ref) / np.linalg.norm(y_ref) <= 1e-5, (qtype, m)
         assert (y[:, :2] == 7.0).all() and (y[:, 2 + n:] == 7.0).all()
         results[m] = y[:, 2:2 + n]
-    for m, y in results.items():
+    for y in results.values():
         np.testing.assert_array_equal(y[-9:], results[9])
 
 
