@@ -149,7 +149,7 @@ class PagedRunner:
 
         def layer_cache() -> tuple[torch.Tensor, torch.Tensor]:
             k, v = attn_backend.allocate_kv_cache(
-                num_blocks, block_size, kvh, d, model_config.dtype, self.device
+                num_blocks, block_size, kvh, d, model_config.torch_dtype, self.device
             )
             return k.zero_(), v.zero_()
 

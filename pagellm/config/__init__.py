@@ -23,8 +23,10 @@ class ModelConfig:
     """Resolved local path: a model directory or a .gguf file."""
     tokenizer: str
     """Where the tokenizer comes from (defaults to model_path)."""
-    dtype: torch.dtype
-    """Resolved compute dtype of weights and KV cache."""
+    dtype: str
+    """Resolved compute dtype of weights and KV cache, by name ('float32', 'bfloat16',
+    'float16'; a torch.dtype given here is stored by its name): the frontend builds and
+    pickles this config without importing torch. `torch_dtype` is the torch object."""
     max_model_len: int
     """Longest sequence (prompt + output) a request may reach."""
     seed: int
@@ -42,6 +44,16 @@ class ModelConfig:
     max_logprobs: int = 20
     """Most logprobs (and prompt logprobs) per token a request may ask for; -1 means
     the vocabulary size. vLLM's ModelConfig.max_logprobs, with its default."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, str):  # torch.float32 -> 'float32'
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def architecture(self) -> str:

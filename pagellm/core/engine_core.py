@@ -29,12 +29,26 @@ from pagellm.worker.model_runner import ModelRunner
 logger = init_logger(__name__)
 
 
+def _confirm_quantization(config: EngineConfig) -> EngineConfig:
+    """The frontend resolves an auto 'gguf' from the compiler's presence (see
+    resolve_quantization); a kernel build that fails here (logged by load_kernels)
+    falls back to dequantizing the GGUF file, as resolve_quantization would have."""
+    if config.model_config.quantization != "gguf":
+        return config
+    from pagellm.kernels import load_kernels
+
+    if load_kernels() is not None:
+        return config
+    return dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, quantization=None))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         _set_num_threads(config)
         if config.model_config.seed is not None:  # None: unseeded, as in vLLM
             torch.manual_seed(config.model_config.seed)
+        config = _confirm_quantization(config)
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         num_blocks = self.model_runner.determine_num_blocks()
@@ -64,7 +78,8 @@ class EngineCore:
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def ready_response(self) -> EngineCoreReadyResponse:
-        return EngineCoreReadyResponse(num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0)
+        return EngineCoreReadyResponse(num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0,
+                                       quantization=self.config.model_config.quantization)
 
     # -- requests --------------------------------------------------------------------
 

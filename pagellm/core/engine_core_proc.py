@@ -24,6 +24,7 @@ import zmq
 from pagellm.core import serial
 from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import (
+    HANDSHAKE_FAILED,
     EngineCoreOutputs,
     EngineCoreRequestType,
     UtilityOutput,
@@ -34,7 +35,6 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-HANDSHAKE_FAILED = b"FAILED"
 _POLL_MS = 100
 
 

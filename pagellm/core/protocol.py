@@ -106,9 +106,16 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
     measured that the frontend's config cannot know."""
 
     num_gpu_blocks: int
+    quantization: str | None = None
+    """The quantization method the model runs with: the config's, or None where the
+    config asked for 'gguf' and this process could not build the kernels (the frontend
+    resolves 'gguf' from the compiler alone, without importing torch)."""
 
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+HANDSHAKE_FAILED = b"FAILED"
+"""First frame of a handshake that reports a failed start-up (the cause follows)."""
 
 
 def engine_dead_frame(rank: int, cause: str) -> bytes:

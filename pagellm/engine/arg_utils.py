@@ -11,12 +11,15 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
+import os
+import re
 import sys
 import textwrap
 import warnings
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, get_args, get_origin
+from typing import Any, get_args, get_origin
 
 from pagellm.attention import available_attn_backends
 from pagellm.config import (
@@ -31,9 +34,6 @@ from pagellm.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
-
-if TYPE_CHECKING:  # torch loads with the model, not to parse and check the CLI's flags
-    import torch
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
@@ -70,6 +70,26 @@ _DTYPES = {  # name -> torch attribute
     "float16": "float16",
     "half": "float16",
 }
+
+
+def torch_build_has_gpu() -> bool:
+    """Whether the installed torch was built with CUDA or ROCm, read from its version.py
+    without importing torch (seconds): a CPU-only build answers `cuda.is_available()`
+    False, so the frontend resolves device 'auto' to 'cpu' without torch. True when
+    unsure (torch then answers)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.version.cuda is not None or torch.version.hip is not None
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    try:
+        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
+            text = f.read()
+    except OSError:
+        return True
+    builds = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.M))
+    return builds != {"cuda": "None", "hip": "None"}
 
 
 @dataclass
@@ -330,27 +350,30 @@ class EngineArgs:
             get_reasoning_parser(parser)  # ValueError naming the accepted parsers
 
     def _resolve_device(self) -> str:
+        if self.device == "cpu" or (self.device == "auto" and not torch_build_has_gpu()):
+            return "cpu"
         import torch
 
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available.")
         return self.device
 
-    def _resolve_dtype(self, hf_config: Any, device: str) -> torch.dtype:
+    def _resolve_dtype(self, hf_config: Any, device: str) -> str:
+        """The compute dtype's name (see ModelConfig.dtype); imports torch only to ask a GPU."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device == "cpu":
+            return "float32"
         import torch
 
-        if self.dtype != "auto":
-            return getattr(torch, _DTYPES[self.dtype])
-        if device == "cpu":
-            return torch.float32
         ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(ckpt, str):
             ckpt = getattr(torch, _DTYPES[ckpt]) if ckpt in _DTYPES else None
         if ckpt in (torch.float16, torch.bfloat16):
-            return ckpt
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return str(ckpt).removeprefix("torch.")
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
     def _resolve_quantization(self, model_path: str, device: str) -> str | None:
         from pagellm.model_executor.layers.quantization import resolve_quantization
@@ -358,7 +381,7 @@ class EngineArgs:
         return resolve_quantization(self.quantization, model_path, device)
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
-        from pagellm.model_executor.layers.rotary_embedding import context_length
+        from pagellm.model_executor.arch_config import context_length
 
         limit = context_length(hf_config, default=2048)
         if self.max_model_len is None:

@@ -34,9 +34,9 @@ import zmq.asyncio
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core import serial
-from pagellm.core.engine_core_proc import HANDSHAKE_FAILED
 from pagellm.core.protocol import (
     ENGINE_CORE_DEAD,
+    HANDSHAKE_FAILED,
     EngineCoreOutputs,
     EngineCoreReadyResponse,
     EngineCoreRequest,
@@ -237,7 +237,9 @@ def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dic
 def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> EngineCoreReadyResponse:
     """One response for the frontend from every rank's: each engine has its own KV pool,
     and the frontend reports the smallest (what every engine holds at least)."""
-    return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()))
+    first = readies[min(readies)]  # every rank resolves the same quantization
+    return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()),
+                                   quantization=first.quantization)
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -56,10 +56,12 @@ def start_frontend_and_core(config: EngineConfig, make_client: Callable[[], Engi
 
 
 def apply_ready_response(config: EngineConfig, client: EngineCoreClient) -> EngineConfig:
-    """Writes what the engine core measured (KV blocks) back into the frontend's config."""
+    """Writes what the engine core measured (KV blocks, the quantization its kernels
+    allow) back into the frontend's config."""
     ready = client.ready
     return dataclasses.replace(
         config,
+        model_config=dataclasses.replace(config.model_config, quantization=ready.quantization),
         cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=ready.num_gpu_blocks),
     )
 

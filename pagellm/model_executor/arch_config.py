@@ -58,3 +58,22 @@ def head_dim_of(config: Any) -> int:
 def num_kv_heads_of(config: Any) -> int:
     """KV heads: num_key_value_heads where given (GQA), else one per attention head."""
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def rope_dict(config: Any) -> dict[str, Any]:
+    """The rope settings of either config style: rope_parameters, else rope_scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if not params.get("rope_type") and isinstance(scaling, dict):
+        params.update(scaling)
+    return params
+
+
+def context_length(config: Any, default: int) -> int:
+    """Positions the model takes: max_position_embeddings (else `default`), stretched by
+    the factor of linear rope scaling, as vLLM reads such configs (LongChat: 2048 x 8)."""
+    limit = int(getattr(config, "max_position_embeddings", None) or default)
+    params = rope_dict(config)
+    if params.get("rope_type", params.get("type")) == "linear" and params.get("factor"):
+        limit = int(limit * params["factor"])
+    return limit

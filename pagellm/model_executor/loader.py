@@ -16,16 +16,18 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from pagellm import envs
 from pagellm.logger import init_logger
 from pagellm.model_executor import weight_utils
 from pagellm.model_executor.arch_config import ArchConfig
 from pagellm.model_executor.registry import ModelRegistry
+
+if TYPE_CHECKING:  # the frontend resolves paths, configs and tokenizers without torch;
+    # only get_model (in the engine core) imports it
+    import torch
+    from torch import nn
 
 logger = init_logger(__name__)
 
@@ -272,6 +274,8 @@ def _save_atomically(tok: Any, cache_dir: str) -> None:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    import torch
+
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -284,6 +288,8 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
     """Build the family class for `model_config.architecture` in `model_config.dtype` on
     `device`, its attention layers on `attn_backend` (the class the model runner chose
     from the config), and load its weights from `model_config.model_path`."""
+    import torch
+
     from pagellm.model_executor.layers.quantization import get_quantization_config
 
     path = model_config.model_path
@@ -292,7 +298,7 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
     # 1. Build on the device with uninitialised parameters (the layers skip random init;
     # the meta device would save the allocation, but its first use imports torch's
     # meta kernels, which costs more).
-    with _default_dtype(model_config.dtype), torch.device(device):
+    with _default_dtype(model_config.torch_dtype), torch.device(device):
         model = model_cls(model_config.hf_config, attn_backend, quant_config)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if quant_config is not None and quant_config.get_name() == "gguf":

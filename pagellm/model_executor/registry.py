@@ -6,8 +6,10 @@ one line here plus its module; the engine never changes.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the frontend checks architectures without importing torch
+    from torch import nn
 
 # architecture name -> (module under pagellm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {

@@ -11,13 +11,15 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pagellm.model_executor.arch_config import num_kv_heads_of
 from pagellm.utils import cdiv
+
+if TYPE_CHECKING:  # the frontend reads GGUF metadata without importing torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +377,12 @@ def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | N
         yield hf_name, tensor, permuted
 
 
+def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(array)
+
+
 def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor of a GGUF file."""
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
@@ -383,7 +391,7 @@ def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torc
             w = w[llama_row_order(w.shape[0], permuted)]
         if not w.flags.writeable:  # F32/F16 tensors are views of the read-only mapping
             w = w.copy()
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+        yield hf_name, _from_numpy(np.ascontiguousarray(w))
 
 
 class GGUFTensor:
@@ -434,7 +442,7 @@ def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple
             yield hf_name, GGUFTensor(path, tensor, permuted)
         else:
             w = dequantize_gguf_tensor(path, tensor)
-            yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            yield hf_name, _from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
 

@@ -17,7 +17,6 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from pagellm.config import STRUCTURED_OUTPUTS_BACKENDS
 from pagellm.logger import init_logger
@@ -28,7 +27,9 @@ from pagellm.structured_output.backend_types import (
     allocate_token_bitmask,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch: the frontend imports this package to validate, without torch
+    import torch
+
     from pagellm.config import EngineConfig
     from pagellm.core.request import Request
 

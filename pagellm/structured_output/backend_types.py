@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagellm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the frontend validates constraints without importing torch
+    import torch
 
 
 class Grammar(ABC):
@@ -63,6 +64,8 @@ def import_xgrammar() -> Any:
 
 
 def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    import torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 

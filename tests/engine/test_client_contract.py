@@ -4,6 +4,7 @@ rank's ready response."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -64,3 +65,41 @@ def test_every_ranks_ready_response_is_read() -> None:
     readies = {0: EngineCoreReadyResponse(40), 1: EngineCoreReadyResponse(31), 2: EngineCoreReadyResponse(35)}
     assert merge_ready_responses(readies) == EngineCoreReadyResponse(31)
     assert merge_ready_responses({0: EngineCoreReadyResponse(7)}) == EngineCoreReadyResponse(7)
+    assert merge_ready_responses({1: EngineCoreReadyResponse(5, "gguf"), 0: EngineCoreReadyResponse(9, "gguf")}) \
+        == EngineCoreReadyResponse(5, "gguf")
+
+
+def test_the_engine_cores_quantization_reaches_the_frontends_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frontend resolves an auto 'gguf' from the compiler alone (no torch import); an
+    engine core whose kernel build fails runs dequantized and says so in its handshake,
+    and the frontend's model_config follows."""
+    from pagellm import kernels
+    from pagellm.core.engine_core import _confirm_quantization
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.engine.llm_engine import apply_ready_response
+
+    config = EngineArgs(max_model_len=64).create_engine_config()
+    assert config.model_config.quantization == "gguf"
+    assert _confirm_quantization(config) is config
+    monkeypatch.setattr(kernels, "load_kernels", lambda: None)
+    fallback = _confirm_quantization(config)
+    assert fallback.model_config.quantization is None
+    assert dataclasses.replace(fallback.model_config, quantization="gguf") == config.model_config
+
+    class Client:
+        ready = EngineCoreReadyResponse(12, None)
+
+    applied = apply_ready_response(config, Client())  # type: ignore[arg-type]
+    assert (applied.model_config.quantization, applied.cache_config.num_gpu_blocks) == (None, 12)
+
+
+def test_model_config_keeps_the_dtype_by_name() -> None:
+    """The frontend builds (and pickles) the config without torch: the dtype is a name,
+    a torch.dtype given is stored by its name, and torch_dtype is the torch object."""
+    import torch
+
+    from pagellm.engine.arg_utils import EngineArgs
+
+    mc = EngineArgs(max_model_len=64, dtype="half").create_engine_config().model_config
+    assert (mc.dtype, mc.torch_dtype) == ("float16", torch.float16)
+    assert dataclasses.replace(mc, dtype=torch.bfloat16).dtype == "bfloat16"

@@ -101,6 +101,43 @@ def test_a_bad_sampling_flag_fails_before_torch_or_the_model_loads() -> None:
     assert elapsed < 3.0
 
 
+def test_generates_frontend_process_never_imports_torch(reference) -> None:
+    """Start-up (issue #15): with the engine core in its own process (the default) only
+    that process imports torch; the command's process parses, builds the config, loads
+    the tokenizer and prints without it, and imports no serve or bench dependencies."""
+    code = ("import atexit, sys; atexit.register(lambda: print('loaded:', [m for m in ('torch', "
+            "'fastapi', 'uvicorn', 'starlette', 'aiohttp') if m in sys.modules], file=sys.stderr)); "
+            "from pagellm.entrypoints.cli.main import main; main()")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGELLM_ENABLE_MULTIPROCESSING": "1"}
+    result = subprocess.run([sys.executable, "-c", code, "generate", "The capital of France is",
+                             "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "The capital of France is" + reference["generate"] + "\n"
+    assert result.stderr.strip().splitlines()[-1] == "loaded: []"
+
+
+def test_import_pagellm_and_its_public_names_stay_light() -> None:
+    code = ("import sys; from pagellm import LLM, SamplingParams, EngineArgs, AsyncLLM; "
+            "print([m for m in ('torch', 'transformers', 'fastapi', 'uvicorn', 'aiohttp') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
+    # the server's process: its engine core imports torch, the HTTP side does not
+    code = ("import sys; import pagellm.entrypoints.openai.api_server; "
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_torch_build_has_gpu_reads_what_torch_reports() -> None:
+    """Read from torch's version.py without importing torch; the same answer torch gives."""
+    code = ("import sys; from pagellm.engine.arg_utils import torch_build_has_gpu; "
+            "before = torch_build_has_gpu(); loaded = 'torch' in sys.modules; import torch; "
+            "print(before, loaded, torch.version.cuda is not None or torch.version.hip is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    before, loaded, truth = out.stdout.split()
+    assert (before, loaded) == (truth, "False"), out.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (("generate", "--temperature", "-1", "x"), "temperature must be non-negative, got -1.0."),
     (("chat", "--top-p", "0", "-m", "hi"), "top_p must be in (0, 1], got 0.0."),

@@ -38,17 +38,22 @@ class CLIParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI, or with `command` only that subcommand's module (the others import
+    what they need: the server starlette, the benchmarks aiohttp and numpy)."""
     parser = CLIParser(prog="pagellm", description="pagellm: LLM inference and serving.")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench}")
-    seen = set()
-    for module_name in _SUBCOMMANDS.values():
-        if module_name in seen:
-            continue
-        seen.add(module_name)
+    modules = [_SUBCOMMANDS[command]] if command in _SUBCOMMANDS else _SUBCOMMANDS.values()
+    for module_name in dict.fromkeys(modules):
         importlib.import_module(module_name).add_parsers(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names, when its first argument is one (`pagellm serve ...`);
+    None otherwise (`pagellm --help`, a typo), which builds the whole parser."""
+    return argv[0] if argv and argv[0] in _SUBCOMMANDS else None
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -82,7 +87,8 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command_of(argv))
     args, unknown = parser.parse_known_args(argv)
     chosen = _chosen_parser(parser, args)
     if unknown:

@@ -293,7 +293,7 @@ def run_server(args: Any) -> int:
         raise
     mc = engine.model_config
     logger.info("Model %s (%s), dtype %s, max_model_len %d, %d KV blocks of %d tokens, %d engine(s)",
-                mc.model, mc.architecture, str(mc.dtype).removeprefix("torch."), mc.max_model_len,
+                mc.model, mc.architecture, mc.dtype, mc.max_model_len,
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
                     trust_request_chat_template=args.trust_request_chat_template,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagellm.kernels import load_kernels
+from pagellm.model_executor.arch_config import context_length, rope_dict
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -60,28 +61,9 @@ class RopeParams:
     `rope_freqs` tensor, where llama.cpp's converter bakes llama3 scaling)."""
 
 
-def _rope_dict(config: Any) -> dict[str, Any]:
-    """The rope settings of either config style: rope_parameters, else rope_scaling."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None)
-    if not params.get("rope_type") and isinstance(scaling, dict):
-        params.update(scaling)
-    return params
-
-
-def context_length(config: Any, default: int) -> int:
-    """Positions the model takes: max_position_embeddings (else `default`), stretched by
-    the factor of linear rope scaling, as vLLM reads such configs (LongChat: 2048 x 8)."""
-    limit = int(getattr(config, "max_position_embeddings", None) or default)
-    params = _rope_dict(config)
-    if params.get("rope_type", params.get("type")) == "linear" and params.get("factor"):
-        limit = int(limit * params["factor"])
-    return limit
-
-
 def get_rope_params(config: Any) -> RopeParams:
     """Normalise old (rope_theta/rope_scaling) and new (rope_parameters) config styles."""
-    params = _rope_dict(config)
+    params = rope_dict(config)
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -11,13 +11,15 @@ A new method goes in a module here and one line in `QUANTIZATION_METHODS`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagellm.logger import init_logger
-from pagellm.model_executor.layers.quantization.base_config import (
-    QuantizationConfig,
-    QuantizeMethodBase,
-)
+
+if TYPE_CHECKING:
+    from pagellm.model_executor.layers.quantization.base_config import (
+        QuantizationConfig,
+        QuantizeMethodBase,
+    )
 
 logger = init_logger(__name__)
 
@@ -32,10 +34,12 @@ def resolve_quantization(requested: str | None, model_path: str, device: str) ->
     PAGELLM_GGUF_ACTIVATIONS is checked here too, before any model loads, and said to be
     ignored where the model does not run on GGUF blocks."""
     from pagellm import envs
-    from pagellm.model_executor.layers.quantization.gguf import check_activations
 
     activations = envs.PAGELLM_GGUF_ACTIVATIONS
-    check_activations(activations)
+    if activations != "float32":  # the default is valid; gguf.py imports torch (seconds)
+        from pagellm.model_executor.layers.quantization.gguf import check_activations
+
+        check_activations(activations)
     method = _resolve_method(requested, model_path, device)
     if method != "gguf" and activations != "float32":
         logger.warning("PAGELLM_GGUF_ACTIVATIONS=%s is ignored: %s does not run on GGUF blocks",
@@ -53,9 +57,14 @@ def _resolve_method(requested: str | None, model_path: str, device: str) -> str 
         if device != "cpu":
             logger.info("GGUF weights are dequantized at load on %s (quantized kernels are CPU only)", device)
             return None
-        from pagellm.kernels import load_kernels
+        from pagellm import kernels
 
-        if load_kernels() is None:  # no compiler: logged once by load_kernels
+        # Without a compiler, load_kernels logs so and returns None before importing
+        # torch. With one, the kernels are loaded (built once, cached) by the engine core,
+        # which falls back to None if the build fails (EngineCore._confirm_quantization):
+        # the frontend never imports torch for this.
+        if kernels._find_compiler() is None:
+            kernels.load_kernels()  # logs once that there is no compiler
             return None
         return "gguf"
     if requested == "none":
@@ -99,3 +108,13 @@ __all__ = [
     "get_quantization_config",
     "resolve_quantization",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The base classes import torch; the frontend imports this package only for
+    # resolve_quantization, which must not (see EngineArgs.create_engine_config).
+    if name in ("QuantizationConfig", "QuantizeMethodBase"):
+        from pagellm.model_executor.layers.quantization import base_config
+
+        return getattr(base_config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
