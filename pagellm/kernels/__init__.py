@@ -63,7 +63,7 @@ def _compile_flags(simd: bool) -> list[str]:
     return flags
 
 
-def _find_compiler() -> str | None:
+def find_compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -74,7 +74,7 @@ def _find_compiler() -> str | None:
 def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     """The compiled kernel library (built once per source/flags/CPU, then cached).
     `simd=False` builds the portable C paths only (tests check both builds)."""
-    compiler = _find_compiler()
+    compiler = find_compiler()
     if compiler is None:
         logger.warning(
             "No C compiler (cc/gcc/clang) found: GGUF weights are dequantized to float32 at "

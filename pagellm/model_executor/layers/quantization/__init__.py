@@ -63,7 +63,7 @@ def _resolve_method(requested: str | None, model_path: str, device: str) -> str 
         # torch. With one, the kernels are loaded (built once, cached) by the engine core,
         # which falls back to None if the build fails (EngineCore._confirm_quantization):
         # the frontend never imports torch for this.
-        if kernels._find_compiler() is None:
+        if kernels.find_compiler() is None:
             kernels.load_kernels()  # logs once that there is no compiler
             return None
         return "gguf"
