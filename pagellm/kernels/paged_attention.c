@@ -5,18 +5,173 @@
  *   V [KVH, NB, bs, D]   one row of D values per slot
  *
  * Request b reads the slots [lo[b], hi[b]) of its padded row, slot i living in block
- * table[b * table_stride + i / bs] at offset i % bs. Each (request, query head) pair is
- * one task: scores over its slots, a softmax, the probability-weighted sum of V rows.
- * Query head h reads KV head h / (H / KVH) (grouped-query attention).
+ * table[b * table_stride + i / bs] at offset i % bs. Query head h reads KV head
+ * h / (H / KVH) (grouped-query attention).
+ *
+ * Two paths, the same arithmetic up to summation order:
+ *  - AVX2 (bs == 16, D a multiple of 32): one task per (request, KV head, run of up to 4
+ *    of its query heads). Every K block is loaded once for the run's heads, scores are
+ *    computed for whole blocks (slots outside [lo, hi) are never read back), the softmax
+ *    uses a vectorised exp, and V rows are loaded once per 32 dims for all the heads.
+ *  - portable: one task per (request, query head), plain loops.
+ * Each score is a sequential sum over d and each output a sequential sum over slots, so
+ * a request's result does not depend on the other requests in the step.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "ggml_common.h"
+
+#ifdef PG_AVX2
+/* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after reducing x to
+ * r + n ln 2, |r| <= ln2 / 2; about 1 ulp. Below -87 (under FLT_MIN) the result is 0. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
+ * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)]. */
+static inline __attribute__((always_inline)) void decode_heads(
+    const int G, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh, int64_t D,
+    const float *k_store, const float *v_store, int64_t NB, const int64_t *row, int64_t lo,
+    int64_t hi, float scale, float *sc, int64_t stride, float *out, int64_t H) {
+    const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
+    float qs[4][256];
+    for (int g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
+    /* scores: every slot of blocks j0 .. j1-1, K loaded once for the G heads */
+    for (int64_t j = j0; j < j1; j++) {
+        const float *kb = k_store + ((kvh * NB + row[j]) * D) * 16;
+        __m256 a[4][2];
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            __m256 k0 = _mm256_loadu_ps(kb + d * 16), k1 = _mm256_loadu_ps(kb + d * 16 + 8);
+            for (int g = 0; g < G; g++) {
+                __m256 qd = _mm256_set1_ps(qs[g][d]);
+                a[g][0] = _mm256_fmadd_ps(qd, k0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(qd, k1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(sc + g * stride + (j - j0) * 16, a[g][0]);
+            _mm256_storeu_ps(sc + g * stride + (j - j0) * 16 + 8, a[g][1]);
+        }
+    }
+    /* softmax over [lo, hi) of each head's row, in place; p[g] starts at slot lo */
+    const int64_t n = hi - lo, off = lo - j0 * 16;
+    for (int g = 0; g < G; g++) {
+        float *p = sc + g * stride + off;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (; i < n; i++) best = p[i] > best ? p[i] : best;
+        __m256 vb = _mm256_set1_ps(best), vsum = _mm256_setzero_ps();
+        i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + i), vb));
+            _mm256_storeu_ps(p + i, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float total = pg_hsum(vsum);
+        for (; i < n; i++) {
+            p[i] = expf(p[i] - best);
+            total += p[i];
+        }
+        const float inv = 1.0f / total;
+        for (i = 0; i < n; i++) p[i] *= inv;
+    }
+    /* out[g] = sum_i p[g][i] V[i], 32 dims at a time: each V row loaded once for G heads */
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m256 a[4][4];
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
+        for (int64_t i = lo; i < hi; i++) {
+            const float *vr = v_store + ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+            __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+            for (int g = 0; g < G; g++) {
+                __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)]);
+                a[g][0] = _mm256_fmadd_ps(pi, v0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(pi, v1, a[g][1]);
+                a[g][2] = _mm256_fmadd_ps(pi, v2, a[g][2]);
+                a[g][3] = _mm256_fmadd_ps(pi, v3, a[g][3]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *o = out + (b * H + h0 + g) * D + d0;
+            _mm256_storeu_ps(o, a[g][0]);
+            _mm256_storeu_ps(o + 8, a[g][1]);
+            _mm256_storeu_ps(o + 16, a[g][2]);
+            _mm256_storeu_ps(o + 24, a[g][3]);
+        }
+    }
+}
+
+static int decode_avx2(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                       const float *k_store, const float *v_store, int64_t NB,
+                       const int64_t *table, int64_t table_stride, const int64_t *lo,
+                       const int64_t *hi, int64_t max_slots, float scale, float *out) {
+    const int64_t group = H / KVH;
+    /* runs of up to 4 heads share their K/V loads; single heads when that would leave
+     * too few tasks for the threads (one long request) */
+    int64_t run = group < 4 ? group : 4;
+    if (B * KVH * ((group + run - 1) / run) < 8) run = 1;
+    const int64_t runs = (group + run - 1) / run, tasks = B * KVH * runs;
+    const int64_t stride = max_slots + 32; /* whole blocks on both ends */
+    int failed = 0;
+#pragma omp parallel if (B * H * max_slots * D >= 32768)
+    {
+        float *sc = (float *)malloc((size_t)(4 * stride) * sizeof(float));
+        if (sc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) {
+                const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
+                const int64_t h0 = kvh * group + t % runs * run;
+                const int64_t left = kvh * group + group - h0;
+                const int G = (int)(left < run ? left : run);
+                const int64_t *row = table + b * table_stride;
+#define HEADS(n)                                                                                case n:                                                                                         decode_heads(n, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],                          scale, sc, stride, out, H);                                                    break;
+                switch (G) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
+#undef HEADS
+            }
+            free(sc);
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif
 
 int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
                     const float *k_store, const float *v_store, int64_t NB, int64_t bs,
                     const int64_t *table, int64_t table_stride, const int64_t *lo,
                     const int64_t *hi, int64_t max_slots, float scale, float *out) {
+#ifdef PG_AVX2
+    if (bs == 16 && D % 32 == 0 && D <= 256)
+        return decode_avx2(q, ldq, B, H, KVH, D, k_store, v_store, NB, table, table_stride, lo,
+                           hi, max_slots, scale, out);
+#endif
     int64_t group = H / KVH;
     int failed = 0;
 #pragma omp parallel if (B * H * max_slots * D >= 32768)

@@ -17,9 +17,12 @@ from pagellm.attention.torch_backend import (
 BS, H, KVH, D = 4, 6, 2, 8
 
 
-def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0,
+                 geometry: tuple[int, int, int, int] = (BS, H, KVH, D)) -> tuple[torch.Tensor, ...]:
     """Fill a cache with random K/V for every request's context through prefill-sized
-    writes, then run one decode step; returns (output, K cache, V cache)."""
+    writes, then run one decode step; returns (output, K cache, V cache). geometry:
+    (block size, query heads, KV heads, head dim)."""
+    BS, H, KVH, D = geometry  # noqa: N806
     gen = torch.Generator().manual_seed(seed)
     nb = 64
     k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, torch.float32, torch.device("cpu"))
@@ -69,36 +72,55 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     return out, k_cache, v_cache
 
 
+GEOMETRIES = {
+    "portable": (BS, H, KVH, D),  # block size 4, head dim 8: the plain C loops
+    # block size 16 and head dims of 32s: the AVX2 path, in runs of 3, 4 + 4 and 1 heads
+    "simd-gqa3": (16, 9, 3, 64),
+    "simd-gqa8": (16, 8, 1, 32),
+    "simd-mha": (16, 4, 4, 96),
+}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
 @pytest.mark.parametrize("window", [None, 5, 13])
-@pytest.mark.parametrize("seq_lens", [[1], [7, 1, 30], [16, 17, 3, 64]])
-def test_c_decode_equals_torch_decode(seq_lens: list[int], window: int | None) -> None:
-    c_out, c_k, c_v = _decode_step(seq_lens, window, use_c=True)
-    t_out, t_k, t_v = _decode_step(seq_lens, window, use_c=False)
+@pytest.mark.parametrize("seq_lens", [[1], [7, 1, 30], [16, 17, 3, 64], [200, 9]])
+def test_c_decode_equals_torch_decode(seq_lens: list[int], window: int | None,
+                                      geometry: tuple[int, int, int, int]) -> None:
+    if geometry[0] * 16 < max(seq_lens):  # 16 blocks per request
+        pytest.skip("longer than the blocks this cache gives a request")
+    c_out, c_k, c_v = _decode_step(seq_lens, window, use_c=True, geometry=geometry)
+    t_out, t_k, t_v = _decode_step(seq_lens, window, use_c=False, geometry=geometry)
     assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)  # the write is a copy
     torch.testing.assert_close(c_out, t_out, rtol=1e-5, atol=1e-6)
 
 
-def test_c_decode_attends_over_the_window_only() -> None:
+@pytest.mark.parametrize("bs,d", [(4, 2), (16, 32)], ids=["portable", "simd"])
+def test_c_decode_attends_over_the_window_only(bs: int, d: int) -> None:
     """Independent of the torch path: with equal scores (zero queries) the output is the
-    mean of the V rows of the last `window` positions."""
+    mean of the V rows of the last `window` positions. Every slot the request does not
+    own holds NaN, so a kernel that lets one into the softmax or the V sum fails."""
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(8, BS, 1, 2, torch.float32, torch.device("cpu"))
-    v_rows = torch.randn(10, 2, generator=gen)
-    for p in range(10):  # one request in blocks 3, 5, 7 (positions 0..9)
-        blk = [3, 5, 7][p // BS]
-        v_cache[blk, p % BS, 0] = v_rows[p]
-        k_cache[blk, p % BS, 0] = torch.randn(2, generator=gen)
-    impl = TorchAttentionImpl(1, 2, 1.0, 1)
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(8, bs, 1, d, torch.float32, torch.device("cpu"))
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    n, window = 2 * bs + 2, bs + 2  # the window starts inside the request's first block read
+    v_rows = torch.randn(n, d, generator=gen)
+    for p in range(n):  # one request in blocks 3, 5, 7
+        blk = [3, 5, 7][p // bs]
+        v_cache[blk, p % bs, 0] = v_rows[p]
+        k_cache[blk, p % bs, 0] = torch.randn(d, generator=gen)
+    impl = TorchAttentionImpl(1, d, 1.0, 1)
     assert impl.kernels is not None
-    builder = TorchAttentionMetadataBuilder(BS, torch.device("cpu"), sliding_window=6)
+    builder = TorchAttentionMetadataBuilder(bs, torch.device("cpu"), sliding_window=window)
     common = CommonAttentionMetadata(
-        num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([10]),
-        block_table=torch.tensor([[3, 5, 7]]), slot_mapping=torch.tensor([7 * BS + 1]),
-        query_start_loc_cpu=[0, 1], seq_lens_cpu=[10], max_query_len=1, max_seq_len=10, block_size=BS,
+        num_reqs=1, num_actual_tokens=1, query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([n]),
+        block_table=torch.tensor([[3, 5, 7]]), slot_mapping=torch.tensor([7 * bs + 1]),
+        query_start_loc_cpu=[0, 1], seq_lens_cpu=[n], max_query_len=1, max_seq_len=n, block_size=bs,
     )
     meta = builder.build(common)
-    out = impl.forward(torch.zeros(1, 1, 2), k_cache[7, 1:2], v_rows[9:10, None], (k_cache, v_cache), meta)
-    torch.testing.assert_close(out[0, 0], v_rows[4:10].mean(0))
+    key = k_cache[7, 1:2].clone()  # contiguous heads, as the C kernels take them
+    out = impl.forward(torch.zeros(1, 1, d), key, v_rows[n - 1 :, None], (k_cache, v_cache), meta)
+    torch.testing.assert_close(out[0, 0], v_rows[n - window :].mean(0))
 
 
 def test_decode_rows_of_a_mixed_step_equal_a_decode_only_step() -> None:
