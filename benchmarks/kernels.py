@@ -1,0 +1,119 @@
+"""Time pagellm's CPU kernels at a model's shapes, next to what they replace.
+
+    python benchmarks/kernels.py                 # SmolLM2-135M's shapes, M = 16, 64, 256, 512
+    python benchmarks/kernels.py --rows 64 --reps 100
+
+Linears (random Q4_1 blocks of the model's q|k|v, o, gate|up and down shapes, M input
+rows): `pg_gemm_batched` (ggml_gemm.c, what gguf_matmul runs for 9..BATCHED_MAX_ROWS rows),
+the dequantized-tile path (16 MiB tiles + oneDNN, what it runs above), and torch's float32
+linear on the dequantized weight (what the float32 weights path runs). Decode attention:
+`pg_paged_decode` for 64 requests of 128-240 cached tokens. Each figure is the minimum
+over --reps calls (the least disturbed by other work on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagellm.attention.torch_backend import TorchAttentionBackend, _storage
+from pagellm.kernels import load_kernels
+from pagellm.model_executor.layers.quantization import gguf as gguf_method
+
+Q4_1 = 3
+LINEARS = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
+
+
+def q4_1_blocks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """n rows of k Q4_1 values: per 32 values a float16 scale and minimum, 16 nibble bytes."""
+    blocks = n * k // 32
+    d = (rng.random(blocks, dtype=np.float32) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    m = (-rng.random(blocks, dtype=np.float32) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    qs = rng.integers(0, 256, (blocks, 16), dtype=np.uint8)
+    return np.ascontiguousarray(np.concatenate([d, m, qs], 1).reshape(n, k // 32 * 20))
+
+
+def best_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def linears(lib, rows: list[int], reps: int) -> None:
+    rng = np.random.default_rng(0)
+    print(f"{'M':>5} {'linear':>8} {'N x K':>11} {'batched ms':>11} {'tiles ms':>9} "
+          f"{'f32 torch ms':>13} {'batched GFLOP/s':>16}")
+    for m in rows:
+        for name, (n, k) in LINEARS.items():
+            data = q4_1_blocks(n, k, rng)
+            group = [gguf_method.WeightGroup(Q4_1, data, 0, n)]
+            dense = torch.empty(n, k)
+            lib.pg_dequant_rows(Q4_1, data.ctypes.data, data.shape[1], k, None, 0, n, dense.data_ptr())
+            x, y = torch.randn(m, k), torch.empty(m, n)
+
+            def batched(data=data, n=n, k=k, m=m, x=x, y=y) -> None:
+                lib.pg_gemm_batched(Q4_1, data.ctypes.data, data.shape[1], n, k, x.data_ptr(), k,
+                                    m, y.data_ptr(), n)
+
+            def tiles(group=group, n=n, x=x) -> None:
+                saved = gguf_method.BATCHED_MAX_ROWS
+                gguf_method.BATCHED_MAX_ROWS = 0  # force the tile path
+                try:
+                    gguf_method.gguf_matmul(group, x, n)
+                finally:
+                    gguf_method.BATCHED_MAX_ROWS = saved
+
+            t_b = best_ms(batched, reps)
+            t_t = best_ms(tiles, reps)
+            t_f = best_ms(lambda x=x, dense=dense: torch.nn.functional.linear(x, dense), reps)
+            print(f"{m:>5} {name:>8} {f'{n}x{k}':>11} {t_b:>11.3f} {t_t:>9.3f} {t_f:>13.3f} "
+                  f"{2 * m * n * k / t_b / 1e6:>16.1f}")
+
+
+def decode_attention(lib, reps: int) -> None:
+    b, h, kvh, d, bs = 64, 9, 3, 64, 16
+    lens = np.random.default_rng(0).integers(128, 240, b)
+    nb = b * 16
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, bs, kvh, d, torch.float32,
+                                                               torch.device("cpu"))
+    k_store, v_store = _storage(k_cache, v_cache)
+    k_store.normal_()
+    v_store.normal_()
+    table = torch.arange(nb).reshape(b, 16)[:, torch.randperm(16)].contiguous()
+    lo, hi = torch.zeros(b, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
+    q, out = torch.randn(b, h, d), torch.empty(b, h, d)
+
+    def run() -> None:
+        lib.pg_paged_decode(q.data_ptr(), q.stride(0), b, h, kvh, d, k_store.data_ptr(),
+                            v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
+                            lo.data_ptr(), hi.data_ptr(), int(hi.max()), d**-0.5, out.data_ptr())
+
+    ms = best_ms(run, reps)
+    flops = 4 * b * h * float(lens.mean()) * d
+    print(f"decode attention, {b} requests x {h} heads ({kvh} KV) x {lens.mean():.0f} slots, "
+          f"D={d}: {ms:.3f} ms per layer ({flops / ms / 1e6:.1f} GFLOP/s)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 512], help="Input rows M.")
+    p.add_argument("--reps", type=int, default=40, help="Calls per figure (the minimum is kept).")
+    args = p.parse_args()
+    lib = load_kernels()
+    if lib is None:
+        raise SystemExit("pagellm's C kernels could not be built on this machine (no C compiler?)")
+    print(f"torch threads: {torch.get_num_threads()}")
+    linears(lib, args.rows, args.reps)
+    decode_attention(lib, args.reps)
+
+
+if __name__ == "__main__":
+    main()
