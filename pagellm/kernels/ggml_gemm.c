@@ -97,7 +97,7 @@ typedef struct {
     tile_fn full, half;  /* half: the first mr/2 input rows only (NULL: none) */
 } kernel;
 
-static kernel pick_kernel(void) {
+static kernel detect_kernel(void) {
 #ifdef PG_X86_DISPATCH
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return (kernel){12, 32, tile512_2, tile512_1};
@@ -105,6 +105,17 @@ static kernel pick_kernel(void) {
         return (kernel){6, 16, tile256_2, tile256_1};
 #endif
     return (kernel){4, 8, tile_c, NULL};
+}
+
+/* The CPU's kernel, detected at the first call (a race only writes the same value). */
+static kernel pick_kernel(void) {
+    static kernel chosen;
+    static volatile int ready = 0;
+    if (!ready) {
+        chosen = detect_kernel();
+        ready = 1;
+    }
+    return chosen;
 }
 
 /* Xp panels for rows [m0, m0 + rows) of X (see the header), zero-padded to whole panels. */
@@ -147,9 +158,11 @@ int pg_gemm_batched(int type, const uint8_t *W, int64_t row_bytes, int64_t N, in
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             int64_t rows = M - m0 < chunk ? M - m0 : chunk;
             pack_x(X, ldx, m0, rows, K, mr, xp); /* ends with the team's barrier */
-            if (wbuf == NULL) continue;
+            /* every thread meets the worksharing loop (OpenMP requires it), even one
+             * without a buffer */
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < blocks; b++) {
+                if (wbuf == NULL) continue;
                 const int64_t n0 = b * nr;
                 const int valid = N - n0 < nr ? (int)(N - n0) : nr;
                 const float *w[NR_MAX];

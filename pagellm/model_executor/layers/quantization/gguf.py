@@ -206,10 +206,12 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
     x = x.contiguous()
     m, k = x.shape
-    if m <= DIRECT_MAX_ROWS:
+    if m <= BATCHED_MAX_ROWS:  # one kernel call per group, into its columns of y
+        direct = m <= DIRECT_MAX_ROWS
         y = torch.empty(m, n_out, dtype=torch.float32)
-        gemm, x_ptr, y_ptr = lib.pg_gemm, x.data_ptr(), y.data_ptr()
-        q8 = _quantize_q8(lib, x) if q8_activations and k % 32 == 0 else None
+        gemm = lib.pg_gemm if direct else lib.pg_gemm_batched
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        q8 = _quantize_q8(lib, x) if direct and q8_activations and k % 32 == 0 else None
         for g in groups:
             out = y_ptr + 4 * g.row_start
             if q8 is not None and lib.pg_q8_supported(g.qtype):
@@ -218,15 +220,6 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
                                     dx.data_ptr(), sx.data_ptr(), m, out, n_out)
             else:
                 rc = gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, out, n_out)
-            if rc:
-                raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
-        return y
-    if m <= BATCHED_MAX_ROWS:
-        y = torch.empty(m, n_out, dtype=torch.float32)
-        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
-        for g in groups:
-            rc = lib.pg_gemm_batched(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m,
-                                     y_ptr + 4 * g.row_start, n_out)
             if rc:
                 raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
         return y
