@@ -6,6 +6,8 @@ the system's C compiler at first use and cached under
 - `ggml_gemm.c`: the same for many input rows: weight rows dequantized a cache-sized
   block at a time and used against every row (batched decode, prefill)
 - `ggml_q8.c`: the same weights x int8-rounded activations (opt-in, llama.cpp's way)
+- `dense_f32.c`: float32 weights read in place from torch's oneDNN-packed copy, for a
+  few input rows (layers/linear.py)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
 - `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
@@ -150,4 +152,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_silu_and_mul.restype = None
     lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.pg_decode_layers.restype = ctypes.c_int
+    lib.pg_f32_blocked_matches.argtypes = [ptr, i64, i64, i64, i64, ptr]
+    lib.pg_f32_blocked_matches.restype = ctypes.c_int
+    lib.pg_gemm_f32_blocked.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, i64]
+    lib.pg_gemm_f32_blocked.restype = ctypes.c_int
     return lib

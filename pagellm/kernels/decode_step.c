@@ -3,7 +3,7 @@
  * at a time (layers/fused_decode.py builds the descriptions and says when it applies):
  *
  *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
- *   qkv = normed @ Wqkv.T (+ b)                                           pg_gemm per group
+ *   qkv = normed @ Wqkv.T (+ b)            pg_gemm (or pg_gemm_f32_blocked) per group
  *   rotate q|k heads of qkv in place                                      pg_rope
  *   k, v heads -> this layer's paged cache                                pg_write_kv
  *   attn = decode attention of the q heads over the cache                 pg_paged_decode
@@ -34,10 +34,16 @@ void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
                  int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
                  const int64_t *slots);
 
-/* Output rows [row_start, row_start + rows) of a linear, stored in one ggml type. */
+int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
+                        const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy);
+
+/* Output rows [row_start, row_start + rows) of a linear: `block` 0, rows of one ggml
+ * type (`row_bytes` each); `block` > 0, float32 in column blocks of `block` outputs with
+ * `k_pad` values each (dense_f32.c). */
 typedef struct {
     int64_t type, row_bytes, row_start, rows;
     const uint8_t *data;
+    int64_t block, k_pad;
 } pg_weight_group;
 
 typedef struct {
@@ -68,9 +74,12 @@ typedef struct {
 static int linear(const pg_linear *L, const float *x, int64_t T, float *y) {
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
-        if (pg_gemm((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
-                    y + w->row_start, L->n_out))
-            return -1;
+        int rc = w->block > 0
+                     ? pg_gemm_f32_blocked((const float *)w->data, w->block, w->k_pad, w->rows,
+                                           L->n_in, x, L->n_in, T, y + w->row_start, L->n_out)
+                     : pg_gemm((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x,
+                               L->n_in, T, y + w->row_start, L->n_out);
+        if (rc) return -1;
     }
     if (L->bias != NULL)
         for (int64_t t = 0; t < T; t++)

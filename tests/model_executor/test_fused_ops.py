@@ -178,3 +178,58 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any) -> None:
     assert fused_calls == {"fused": True, "modules": False}
     for fused, modules in zip(logits["fused"], logits["modules"]):
         assert torch.equal(fused, modules)  # the same kernels in the same order
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "plain"])
+def test_fused_decode_stack_on_float32_weights(
+    tiny_model: Callable[..., str], monkeypatch: pytest.MonkeyPatch, packing: bool
+) -> None:
+    """Float32 weights take the one-call decode stack too, reading the copy each linear
+    keeps (oneDNN's packed one in place, or the plain weight where nothing is packed): its
+    logits equal the module path's bit for bit (the module path runs the same kernels for
+    up to 8 rows) and the all-torch path's within 1e-5."""
+    from pagellm.model_executor.layers import linear as linear_module
+
+    if load_kernels() is None:
+        pytest.skip("no C compiler")
+    if not packing:
+        monkeypatch.setattr(linear_module, "pack_weight", lambda weight: None)
+    mc = make_model_config(tiny_model("llama", hidden_size=72, intermediate_size=97))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    head = model.lm_head
+    if head.dense_f32 is None:
+        pytest.skip("oneDNN chose a packed layout dense_f32.c does not read on this CPU")
+    assert (head.dense_f32.block > 0) == packing
+    steps = [
+        [("a", 1)],
+        [("a", 1), ("b", 5)],  # mixed: module path
+        [("b", 1), ("a", 1)],
+    ]
+    logits, fused_calls = {}, {}
+    for name in ("fused", "modules", "torch"):
+        runner = PagedRunner(model, mc, block_size=4)
+        runner.add("a", [(i * 31 + 3) % 500 + 1 for i in range(14)])
+        runner.add("b", [(i * 17 + 5) % 500 + 1 for i in range(8)])
+        runner.step([("a", 9)])  # the first forward builds the stack
+        stack = model.model.fused_decode
+        assert stack is not None
+        counting = _CountingKernels(stack.lib)
+        stack.lib = counting
+        if name != "fused":
+            model.model.fused_decode = None
+        if name == "torch":  # every layer's linears through torch's products
+            for module in model.modules():
+                if getattr(module, "dense_f32", None) is not None:
+                    module.dense_f32_saved, module.dense_f32 = module.dense_f32, None
+        logits[name] = [runner.step(step) for step in steps]
+        fused_calls[name] = "pg_decode_layers" in counting.called
+        for module in model.modules():
+            if hasattr(module, "dense_f32_saved"):
+                module.dense_f32 = module.dense_f32_saved
+                del module.dense_f32_saved
+        stack.lib = counting.lib
+        model.model.fused_decode = stack
+    assert fused_calls == {"fused": True, "modules": False, "torch": False}
+    for fused, modules, eager in zip(logits["fused"], logits["modules"], logits["torch"]):
+        assert torch.equal(fused, modules)
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())

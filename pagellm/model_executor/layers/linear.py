@@ -3,23 +3,30 @@ method (`pagellm.model_executor.layers.quantization`): the layer owns the shapes
 `quant_method` owns the weights (create, load, process after loading, apply).
 
 `UnquantizedLinearMethod` keeps a weight in the model dtype and, on CPU in float32,
-re-lays it out once for oneDNN's matmul. `MergedLinear` fuses several projections of the
+re-lays it out once for oneDNN's matmul; products of a few rows read that same copy
+through the C kernels (`DenseF32Weight`). `MergedLinear` fuses several projections of the
 same input into one layer so a step runs one product (q|k|v, gate|up); checkpoints keep
 the parts separate and the loader hands each part to `weight_loader` with its shard index.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
+
+KERNEL_MAX_ROWS = 8
+"""Input rows up to which a CPU float32 linear runs the C kernel on `DenseF32Weight`
+(decode steps: the weight is read once, from memory, for all rows)."""
 
 SMALL_BATCH_ROWS = 512
 """Below this many rows (tokens), CPU linears compute (W @ x.T).T instead of x @ W.T."""
@@ -44,6 +51,69 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+@dataclass
+class DenseF32Weight:
+    """A CPU float32 weight [rows, K] as the C kernels read it in place: row-major
+    (`block` 0: ggml's float32 type in pg_gemm) or torch's oneDNN-packed copy, column
+    blocks of `block` outputs with `k_pad` values each (pagellm/kernels/dense_f32.c).
+    It has the fields of a GGUF `WeightGroup`, so the fused decode step takes either."""
+
+    owner: torch.Tensor = field(repr=False)
+    """The tensor whose memory `ptr` points into (kept alive here)."""
+    ptr: int
+    rows: int
+    row_bytes: int = 0
+    block: int = 0
+    k_pad: int = 0
+    qtype: int = 0
+    row_start: int = 0
+
+
+def dense_f32_weight(weight: torch.Tensor, packed: torch.Tensor | None) -> DenseF32Weight | None:
+    """The C kernels' view of a float32 CPU weight (plain, or `packed` from `pack_weight`),
+    or None where they do not apply. A packed copy is accepted only after the kernel found
+    every value of `weight` where its layout says (the layout is oneDNN's choice, not a
+    promise: another CPU or torch may pick another, which is then refused)."""
+    lib = load_kernels()
+    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    weight = weight.detach()
+    n, k = weight.shape
+    if packed is None:
+        if not weight.is_contiguous():
+            return None
+        return DenseF32Weight(weight, weight.data_ptr(), n, row_bytes=4 * k)
+    try:
+        ptr, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    except (AttributeError, RuntimeError):  # a torch without these ops
+        return None
+    for block in (64, 48, 32, 24, 16, 8):
+        padded_rows = -(-n // block) * block
+        if nbytes % (4 * padded_rows):
+            continue
+        k_pad = nbytes // (4 * padded_rows)
+        if k_pad >= k and lib.pg_f32_blocked_matches(ptr, block, k_pad, n, k,
+                                                      weight.contiguous().data_ptr()):
+            return DenseF32Weight(packed, ptr, n, block=block, k_pad=k_pad)
+    return None
+
+
+def dense_f32_matmul(w: DenseF32Weight, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> x @ W.T [M, rows] through the C kernel."""
+    lib = load_kernels()
+    m, k = x.shape
+    y = torch.empty(m, w.rows, dtype=torch.float32)
+    if w.block:
+        rc = lib.pg_gemm_f32_blocked(w.ptr, w.block, w.k_pad, w.rows, k, x.data_ptr(), k, m,
+                                     y.data_ptr(), w.rows)
+    else:
+        rc = lib.pg_gemm(0, w.ptr, w.row_bytes, w.rows, k, x.data_ptr(), k, m, y.data_ptr(),
+                         w.rows)
+    if rc:
+        raise RuntimeError("float32 linear kernel failed")
+    return y
 
 
 def packed_linear(
@@ -86,12 +156,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class UnquantizedLinearMethod(QuantizeMethodBase):
     """Weights in the model dtype: `layer.weight` [out, in] (parts stacked by rows), and on
-    CPU in float32 its oneDNN-packed form `layer.packed_weight` instead after loading."""
+    CPU in float32 its oneDNN-packed form `layer.packed_weight` instead after loading.
+    `layer.dense_f32` is the C kernels' view of whichever copy is kept (None where they do
+    not apply): up to KERNEL_MAX_ROWS rows multiply through it, and the fused decode step
+    reads it."""
 
     def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
                        bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
         layer.register_buffer("packed_weight", None, persistent=False)
+        layer.dense_f32 = None
 
     def load_weight(self, layer: nn.Module, shard: int, loaded: Any) -> None:
         start, size = layer.offsets[shard], layer.output_sizes[shard]
@@ -109,7 +183,10 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Swap the loaded weight for its packed form where the CPU kernel applies; the
         plain weight is then dropped (`weight` becomes None), not kept twice."""
-        packed = None if layer.weight is None else pack_weight(layer.weight)
+        if layer.weight is None:
+            return  # already processed
+        packed = pack_weight(layer.weight)
+        layer.dense_f32 = dense_f32_weight(layer.weight, packed)
         if packed is None:
             return
         layer.packed_weight = packed
@@ -117,6 +194,11 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
+        dense = layer.dense_f32
+        if (dense is not None and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS
+                and x.dtype == torch.float32 and not torch.compiler.is_compiling()):
+            y = dense_f32_matmul(dense, x.contiguous())
+            return y if bias is None else y + bias
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
         return linear(x, layer.weight, bias)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from pagellm.model_executor.layers.linear import (
+    KERNEL_MAX_ROWS,
     SMALL_BATCH_ROWS,
     Linear,
     UnquantizedLinearMethod,
+    dense_f32_matmul,
     linear,
     packed_linear,
 )
@@ -21,6 +23,9 @@ def compute_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
     if not isinstance(lm_head.quant_method, UnquantizedLinearMethod):
         return lm_head(hidden).float().contiguous()
+    if (lm_head.dense_f32 is not None and hidden.shape[0] <= KERNEL_MAX_ROWS
+            and hidden.dtype == torch.float32 and not torch.compiler.is_compiling()):
+        return dense_f32_matmul(lm_head.dense_f32, hidden.contiguous())
     if lm_head.packed_weight is not None:
         return packed_linear(hidden, lm_head.packed_weight).float()
     lm_head_weight = lm_head.weight

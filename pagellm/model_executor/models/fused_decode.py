@@ -3,8 +3,8 @@ pagellm/kernels/decode_step.c) for steps of a few single-token decodes: the kern
 module path calls one at a time from Python (~10 calls and their checks per layer), in
 the same order, so its numbers equal the module path's.
 
-In: the loaded LlamaModel (GGUF linears on the CPU kernels, the torch attention backend
-with its C kernels, float32) and a step's embeddings, rope tables and forward context.
+In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights the
+kernels read in place; the torch attention backend with its C kernels, float32) and a step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
 model does not qualify (prefill chunks, more than DIRECT_MAX_ROWS rows, other kernels):
 the module path then runs. It knows the torch backend's cache layout and decode metadata.
@@ -21,7 +21,7 @@ from pagellm.attention.backend import get_forward_context
 from pagellm.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.activation import SiluAndMul
-from pagellm.model_executor.layers.linear import Linear
+from pagellm.model_executor.layers.linear import Linear, UnquantizedLinearMethod
 from pagellm.model_executor.layers.quantization.gguf import DIRECT_MAX_ROWS, GGUFLinearMethod
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
@@ -30,7 +30,7 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _WeightGroup(ctypes.Structure):  # pg_weight_group
     _fields_ = [("type", _i64), ("row_bytes", _i64), ("row_start", _i64), ("rows", _i64),
-                ("data", _ptr)]  # fmt: skip
+                ("data", _ptr), ("block", _i64), ("k_pad", _i64)]  # fmt: skip
 
 
 class _Linear(ctypes.Structure):  # pg_linear
@@ -53,9 +53,25 @@ class _Step(ctypes.Structure):  # pg_step
     ]  # fmt: skip
 
 
+def _weight_groups(layer: Linear) -> list[Any] | None:
+    """The weight as the C products take it: GGUF block groups (float32 activations), or
+    one float32 weight (`DenseF32Weight`, plain or oneDNN-packed); None otherwise."""
+    method = layer.quant_method
+    if isinstance(method, GGUFLinearMethod):
+        return None if method.q8_activations or not layer.weight_groups else layer.weight_groups
+    if isinstance(method, UnquantizedLinearMethod) and layer.dense_f32 is not None:
+        return [layer.dense_f32]
+    return None
+
+
 def _linear(layer: Linear, keep: list[Any]) -> _Linear:
-    groups = (_WeightGroup * len(layer.weight_groups))(*[
-        _WeightGroup(g.qtype, g.row_bytes, g.row_start, g.rows, g.ptr) for g in layer.weight_groups
+    weight_groups = _weight_groups(layer)
+    assert weight_groups is not None, "checked by _qualifies"
+    groups = (_WeightGroup * len(weight_groups))(*[
+        # GGUF groups have no column blocks (block 0)
+        _WeightGroup(g.qtype, g.row_bytes, g.row_start, g.rows, g.ptr, getattr(g, "block", 0),
+                     getattr(g, "k_pad", 0))
+        for g in weight_groups
     ])  # fmt: skip
     keep.append(groups)
     bias = None if layer.bias is None else layer.bias.data_ptr()
@@ -63,8 +79,9 @@ def _linear(layer: Linear, keep: list[Any]) -> _Linear:
 
 
 def _qualifies(model: Any, lib: Any) -> bool:
-    """GGUF linears on float32 activations (the C products), no per-head q/k norm, SiLU,
-    float32 norms and rope tables, the torch backend's C attention."""
+    """Linears the C products take (GGUF blocks on float32 activations, or float32 weights
+    the kernels can read), no per-head q/k norm, SiLU, float32 norms and rope tables, the
+    torch backend's C attention."""
     if lib is None or model.rotary_emb.cos_cache.dtype != torch.float32:
         return False
     eps = model.layers[0].input_layernorm.variance_epsilon
@@ -77,8 +94,7 @@ def _qualifies(model: Any, lib: Any) -> bool:
             or not isinstance(mlp.act_fn, SiluAndMul)
             or not isinstance(attn.attn.impl, TorchAttentionImpl)
             or attn.attn.impl.kernels is None
-            or any(not isinstance(m.quant_method, GGUFLinearMethod) or m.quant_method.q8_activations
-                   or not m.weight_groups for m in linears)
+            or any(_weight_groups(m) is None for m in linears)
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
                    or not n.weight.is_contiguous() or n.variance_epsilon != eps for n in norms)
         ):  # fmt: skip
