@@ -43,11 +43,12 @@ from compare import (  # noqa: E402
     wait_for_server,
 )
 
-SERVERS = ("pagellm", "vllm", "vllm-default", "llamacpp", "llamacpp-default")
-DEFAULT_SERVERS = ("pagellm", "vllm", "llamacpp")
-"""The default --systems: each peer at its best documented settings (compare.py's
-`vllm_env`, `llamacpp_server_command`); the *-default servers run at the peer's own
-defaults and are opt-in."""
+SERVERS = ("pagellm", "pagellm-f32", "vllm", "vllm-default", "llamacpp", "llamacpp-default")
+DEFAULT_SERVERS = ("pagellm", "pagellm-f32", "vllm", "llamacpp")
+"""The default --systems: pagellm on the GGUF's blocks (its default) and on float32
+weights (`--quantization none`, the weights vLLM runs), each peer at its best documented
+settings (compare.py's `vllm_env`, `llamacpp_server_command`); the *-default servers run
+at the peer's own defaults and are opt-in."""
 METRICS = ("completed", "request_throughput", "output_throughput", "median_ttft_ms",
            "median_tpot_ms", "p99_tpot_ms", "median_itl_ms")
 
@@ -56,10 +57,12 @@ def server_command(args: argparse.Namespace, system: str, port: int,
                    tmp: Path) -> tuple[list[str], dict[str, str], tuple[str, ...], str]:
     """(command line, environment to set, environment names to remove, settings) of
     `system`'s OpenAI server on `port`."""
-    if system == "pagellm":
-        flags = ["--host", "127.0.0.1", "--port", str(port), *args.pagellm_args.split()]
+    if system in ("pagellm", "pagellm-f32"):
+        extra = [*args.pagellm_args.split(), *(["--quantization", "none"]
+                                               if system == "pagellm-f32" else [])]
+        flags = ["--host", "127.0.0.1", "--port", str(port), *extra]
         return ([sys.executable, "-m", "pagellm", "serve", args.model, *flags], {}, (),
-                " ".join(["pagellm serve", *args.pagellm_args.split()]).strip())
+                " ".join(["pagellm serve", *extra]).strip())
     if system in ("vllm", "vllm-default"):
         model_dir = hf_model_dir(args.model, tmp / "hf_model")
         python = str(Path(args.vllm_venv) / "bin" / "python")
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagellm-compare-serve-") as tmp_name:
         for system in args.systems.split(","):
             peer = system.removesuffix("-default")
-            runnable = {"vllm": args.vllm_venv,
+            runnable = {"vllm": args.vllm_venv,  # pagellm's own rows always run
                         "llamacpp": args.llamacpp_venv or args.llama_server}.get(peer, True)
             if not runnable:
                 flag = "--vllm-venv" if peer == "vllm" else "--llama-server or --llamacpp-venv"
