@@ -386,11 +386,11 @@ def test_compare_serve_writes_table(tmp_path: Path) -> None:
     for r in pagellm_rows:
         assert r["completed"] == 3 and r["failed"] == 0 and r["ratio_to_pagellm"] == 1.0
         assert r["settings"] == "pagellm serve --max-model-len 256"
+        assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 and r["startup_s"] > 0
+        assert r["peak_rss_mb"] > 50
     f32_rows = [r for r in data["rows"] if r["system"] == "pagellm-f32"]
     assert [(r["request_rate"], r["completed"]) for r in f32_rows] == [(10.0, 3), ("inf", 3)]
     assert f32_rows[0]["settings"] == "pagellm serve --max-model-len 256 --quantization none"
-        assert r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 and r["startup_s"] > 0
-        assert r["peak_rss_mb"] > 50
     assert data["rows"][-1] == {"system": "llamacpp", "note": "skipped: pass --llama-server or --llamacpp-venv"}
     assert "TPOT p50 ms" in res.stdout
 
