@@ -21,10 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(PG_NO_SIMD)
-#include <immintrin.h>
-#define PG_X86_DISPATCH 1
-#endif
+#include "ggml_common.h"
 
 #define NB_MAX 64
 
@@ -138,21 +135,11 @@ __attribute__((target("avx2,fma"))) static void block256(const float *blk, int64
 }
 #endif
 
-/* The kernel for block width nb on this CPU (detected once; a race writes the same). */
+/* The kernel for block width nb on this CPU. */
 static block_fn pick(int64_t nb) {
-    static int level = -1; /* 2: AVX-512, 1: AVX2 + FMA, 0: portable */
-    if (level < 0) {
-        int l = 0;
 #ifdef PG_X86_DISPATCH
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512f")) l = 2;
-        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) l = 1;
-#endif
-        level = l;
-    }
-#ifdef PG_X86_DISPATCH
-    if (nb == 64 && level == 2) return block512;
-    if (nb == 64 && level == 1) return block256;
+    if (nb == 64 && pg_isa_level() == 2) return block512;
+    if (nb == 64 && pg_isa_level() == 1) return block256;
 #endif
     (void)nb;
     return block_c;

@@ -1,5 +1,6 @@
-/* Helpers shared by the GGUF kernels (ggml_cpu.c, ggml_q8.c): float16 scales and the
- * AVX2 unpacking of 4-bit values and of 5th bits. */
+/* Helpers shared by the weight kernels (ggml_cpu.c, ggml_q8.c, ggml_gemm.c, dense_f32.c):
+ * float16 scales, the AVX2 unpacking of 4-bit values and of 5th bits, and the run-time
+ * choice of instruction set for the kernels built with target attributes. */
 #ifndef PAGELLM_GGML_COMMON_H
 #define PAGELLM_GGML_COMMON_H
 
@@ -10,6 +11,17 @@
 #include <immintrin.h>
 #define PG_AVX2 1
 #endif
+
+/* x86 kernels compiled for AVX-512 / AVX2 through target attributes, whatever the
+ * library's global flags; which one runs is chosen at run time (pg_isa_level). */
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(PG_NO_SIMD)
+#include <immintrin.h>
+#define PG_X86_DISPATCH 1
+#endif
+
+/* 2: AVX-512F, 1: AVX2 + FMA, 0: neither (or the portable build); detected once
+ * (ggml_gemm.c). */
+int pg_isa_level(void);
 
 /* The float16 at p as a float (F16C where built with it, else by its bits). */
 static inline float pg_f16(const uint8_t *p) {

@@ -23,17 +23,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ggml_common.h"
+
 void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out);
 int pg_type_supported(int type);
 
 #define CHUNK_BYTES (1 << 20) /* packed X per chunk: about half an L2 */
 #define NR_MAX 12
 #define MR_MAX 32
-
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(PG_NO_SIMD)
-#include <immintrin.h>
-#define PG_X86_DISPATCH 1
-#endif
 
 /* t[r][i] = sum_k w[r][k] * xp[k][i] for r < NR, i < MR (t is NR x MR, row-major). */
 typedef void (*tile_fn)(const float *const *w, int64_t K, const float *xp, float *t);
@@ -97,25 +94,30 @@ typedef struct {
     tile_fn full, half;  /* half: the first mr/2 input rows only (NULL: none) */
 } kernel;
 
-static kernel detect_kernel(void) {
+int pg_isa_level(void) {
+    static volatile int level = -1; /* detected at the first call; a race writes the same */
+    if (level < 0) {
+        int l = 0;
 #ifdef PG_X86_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return (kernel){12, 32, tile512_2, tile512_1};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return (kernel){6, 16, tile256_2, tile256_1};
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f")) l = 2;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) l = 1;
 #endif
-    return (kernel){4, 8, tile_c, NULL};
+        level = l;
+    }
+    return level;
 }
 
-/* The CPU's kernel, detected at the first call (a race only writes the same value). */
+/* The CPU's kernel. */
 static kernel pick_kernel(void) {
-    static kernel chosen;
-    static volatile int ready = 0;
-    if (!ready) {
-        chosen = detect_kernel();
-        ready = 1;
+#ifdef PG_X86_DISPATCH
+    switch (pg_isa_level()) {
+        case 2: return (kernel){12, 32, tile512_2, tile512_1};
+        case 1: return (kernel){6, 16, tile256_2, tile256_1};
+        default: break;
     }
-    return chosen;
+#endif
+    return (kernel){4, 8, tile_c, NULL};
 }
 
 /* Xp panels for rows [m0, m0 + rows) of X (see the header), zero-padded to whole panels. */

@@ -99,14 +99,14 @@ def test_blocked_f32_kernel_equals_matmul(block: int, n: int, k: int) -> None:
     k_pad = -(-k // 16) * 16 + 16
     packed = _blocked(w, block, k_pad, float("nan"))  # padding is never read
     assert lib.pg_f32_blocked_matches(packed.data_ptr(), block, k_pad, n, k, w.data_ptr()) == 1
-    dense = DenseF32Weight(packed, packed.data_ptr(), n, block=block, k_pad=k_pad)
+    dense = DenseF32Weight(packed, packed.data_ptr(), n, k, block=block, k_pad=k_pad)
     x = torch.randn(8, k, generator=g)
     full = dense_f32_matmul(dense, x)
     torch.testing.assert_close(full, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
     for rows in range(1, 8):  # a row's result does not depend on the batch around it
         assert torch.equal(dense_f32_matmul(dense, x[:rows].contiguous()), full[:rows])
     # the row-major form (pg_gemm's float32 type) gives the same products
-    plain = DenseF32Weight(w, w.data_ptr(), n, row_bytes=4 * k)
+    plain = DenseF32Weight(w, w.data_ptr(), n, k, row_bytes=4 * k)
     torch.testing.assert_close(dense_f32_matmul(plain, x), full, rtol=1e-5, atol=1e-5)
 
 
@@ -170,3 +170,5 @@ def test_few_rows_take_the_c_kernel(monkeypatch: pytest.MonkeyPatch, packing: bo
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
         kernel = "pg_gemm_f32_blocked" if packing else "pg_gemm"
         assert counting.called == ([kernel] if rows <= KERNEL_MAX_ROWS else [])
+    with pytest.raises(ValueError, match="input has 575 features, the weight takes 576"):
+        layer(torch.randn(2, 575))  # refused before the kernel would read past a row

@@ -64,6 +64,7 @@ class DenseF32Weight:
     """The tensor whose memory `ptr` points into (kept alive here)."""
     ptr: int
     rows: int
+    cols: int
     row_bytes: int = 0
     block: int = 0
     k_pad: int = 0
@@ -84,19 +85,19 @@ def dense_f32_weight(weight: torch.Tensor, packed: torch.Tensor | None) -> Dense
     if packed is None:
         if not weight.is_contiguous():
             return None
-        return DenseF32Weight(weight, weight.data_ptr(), n, row_bytes=4 * k)
+        return DenseF32Weight(weight, weight.data_ptr(), n, k, row_bytes=4 * k)
     try:
         ptr, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
     except (AttributeError, RuntimeError):  # a torch without these ops
         return None
+    plain = weight.contiguous()
     for block in (64, 48, 32, 24, 16, 8):
         padded_rows = -(-n // block) * block
         if nbytes % (4 * padded_rows):
             continue
         k_pad = nbytes // (4 * padded_rows)
-        if k_pad >= k and lib.pg_f32_blocked_matches(ptr, block, k_pad, n, k,
-                                                      weight.contiguous().data_ptr()):
-            return DenseF32Weight(packed, ptr, n, block=block, k_pad=k_pad)
+        if k_pad >= k and lib.pg_f32_blocked_matches(ptr, block, k_pad, n, k, plain.data_ptr()):
+            return DenseF32Weight(packed, ptr, n, k, block=block, k_pad=k_pad)
     return None
 
 
@@ -104,6 +105,8 @@ def dense_f32_matmul(w: DenseF32Weight, x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous -> x @ W.T [M, rows] through the C kernel."""
     lib = load_kernels()
     m, k = x.shape
+    if k != w.cols:  # the kernel would read past each row
+        raise ValueError(f"linear: input has {k} features, the weight takes {w.cols}")
     y = torch.empty(m, w.rows, dtype=torch.float32)
     if w.block:
         rc = lib.pg_gemm_f32_blocked(w.ptr, w.block, w.k_pad, w.rows, k, x.data_ptr(), k, m,

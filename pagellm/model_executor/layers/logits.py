@@ -6,13 +6,10 @@ from __future__ import annotations
 import torch
 
 from pagellm.model_executor.layers.linear import (
-    KERNEL_MAX_ROWS,
     SMALL_BATCH_ROWS,
     Linear,
     UnquantizedLinearMethod,
-    dense_f32_matmul,
     linear,
-    packed_linear,
 )
 
 VOCAB_CHUNK = 1024
@@ -21,13 +18,11 @@ VOCAB_CHUNK = 1024
 
 def compute_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
-    if not isinstance(lm_head.quant_method, UnquantizedLinearMethod):
+    if (not isinstance(lm_head.quant_method, UnquantizedLinearMethod)
+            or lm_head.packed_weight is not None):
+        # the method's own product (for a packed float32 head: the C kernel for a few
+        # rows, else oneDNN's), contiguous in both cases
         return lm_head(hidden).float().contiguous()
-    if (lm_head.dense_f32 is not None and hidden.shape[0] <= KERNEL_MAX_ROWS
-            and hidden.dtype == torch.float32 and not torch.compiler.is_compiling()):
-        return dense_f32_matmul(lm_head.dense_f32, hidden.contiguous())
-    if lm_head.packed_weight is not None:
-        return packed_linear(hidden, lm_head.packed_weight).float()
     lm_head_weight = lm_head.weight
     n, vocab = hidden.shape[0], lm_head_weight.shape[0]
     if hidden.device.type != "cpu" or n >= SMALL_BATCH_ROWS or vocab <= VOCAB_CHUNK:

@@ -4,7 +4,8 @@ module path calls one at a time from Python (~10 calls and their checks per laye
 the same order, so its numbers equal the module path's.
 
 In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights the
-kernels read in place; the torch attention backend with its C kernels, float32) and a step's embeddings, rope tables and forward context.
+kernels read in place; the torch attention backend with its C kernels, float32) and a
+step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
 model does not qualify (prefill chunks, more than DIRECT_MAX_ROWS rows, other kernels):
 the module path then runs. It knows the torch backend's cache layout and decode metadata.
@@ -68,9 +69,7 @@ def _linear(layer: Linear, keep: list[Any]) -> _Linear:
     weight_groups = _weight_groups(layer)
     assert weight_groups is not None, "checked by _qualifies"
     groups = (_WeightGroup * len(weight_groups))(*[
-        # GGUF groups have no column blocks (block 0)
-        _WeightGroup(g.qtype, g.row_bytes, g.row_start, g.rows, g.ptr, getattr(g, "block", 0),
-                     getattr(g, "k_pad", 0))
+        _WeightGroup(g.qtype, g.row_bytes, g.row_start, g.rows, g.ptr, g.block, g.k_pad)
         for g in weight_groups
     ])  # fmt: skip
     keep.append(groups)

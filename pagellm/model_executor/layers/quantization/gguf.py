@@ -55,6 +55,7 @@ class WeightGroup:
     data: np.ndarray  # uint8 [rows, row_bytes]
     row_start: int
     rows: int
+    block = k_pad = 0  # whole rows, not column blocks (see linear.DenseF32Weight)
 
     def __post_init__(self) -> None:
         self.row_bytes = self.data.shape[1]
