@@ -59,9 +59,11 @@ static inline __attribute__((always_inline)) void decode_heads(
     /* scores: every slot of blocks j0 .. j1-1, K loaded once for the G heads */
     for (int64_t j = j0; j < j1; j++) {
         const float *kb = k_store + ((kvh * NB + row[j]) * D) * 16;
+        const float *kn = k_store + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16;
         __m256 a[4][2];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
+            _mm_prefetch((const char *)(kn + d * 16), _MM_HINT_T0);
             __m256 k0 = _mm256_loadu_ps(kb + d * 16), k1 = _mm256_loadu_ps(kb + d * 16 + 8);
             for (int g = 0; g < G; g++) {
                 __m256 qd = _mm256_set1_ps(qs[g][d]);
@@ -106,6 +108,10 @@ static inline __attribute__((always_inline)) void decode_heads(
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
             const float *vr = v_store + ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            if (d0 == 0 && (i + 16) / 16 < j1) { /* the next block's row, while this one computes */
+                const char *vn = (const char *)(v_store + ((kvh * NB + row[(i + 16) / 16]) * 16 + i % 16) * D);
+                for (int64_t c = 0; c < D; c += 16) _mm_prefetch(vn + 4 * c, _MM_HINT_T0);
+            }
             __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
             __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
             for (int g = 0; g < G; g++) {

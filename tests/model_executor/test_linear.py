@@ -15,6 +15,7 @@ from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers import linear as linear_module
 from pagellm.model_executor.layers.linear import (
     KERNEL_MAX_ROWS,
+    PACKED_KERNEL_MAX_ROWS,
     DenseF32Weight,
     Linear,
     MergedLinear,
@@ -88,8 +89,8 @@ def _blocked(w: torch.Tensor, block: int, k_pad: int, fill: float) -> torch.Tens
     return out.view(blocks, block, k_pad).transpose(1, 2).contiguous()
 
 
-@pytest.mark.parametrize("block,n,k", [(64, 130, 72), (64, 64, 37), (16, 70, 33), (8, 5, 3),
-                                       (24, 49, 100)])  # fmt: skip
+@pytest.mark.parametrize("block,n,k", [(64, 130, 72), (64, 64, 37), (64, 1088, 300),
+                                       (16, 70, 33), (8, 5, 3), (24, 49, 100)])  # fmt: skip
 def test_blocked_f32_kernel_equals_matmul(block: int, n: int, k: int) -> None:
     lib = load_kernels()
     if lib is None:
@@ -100,14 +101,17 @@ def test_blocked_f32_kernel_equals_matmul(block: int, n: int, k: int) -> None:
     packed = _blocked(w, block, k_pad, float("nan"))  # padding is never read
     assert lib.pg_f32_blocked_matches(packed.data_ptr(), block, k_pad, n, k, w.data_ptr()) == 1
     dense = DenseF32Weight(packed, packed.data_ptr(), n, k, block=block, k_pad=k_pad)
-    x = torch.randn(8, k, generator=g)
+    x = torch.randn(37, k, generator=g)
     full = dense_f32_matmul(dense, x)
-    torch.testing.assert_close(full, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
-    for rows in range(1, 8):  # a row's result does not depend on the batch around it
+    torch.testing.assert_close(full, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4)
+    # a row's result does not depend on the batch around it: few rows stream the weight,
+    # more walk it in L1-sized chunks of k (k = 300 spans three), the numbers are the same
+    for rows in (*range(1, 14), 36):
         assert torch.equal(dense_f32_matmul(dense, x[:rows].contiguous()), full[:rows])
+        assert torch.equal(dense_f32_matmul(dense, x[-rows:].contiguous()), full[-rows:])
     # the row-major form (pg_gemm's float32 type) gives the same products
     plain = DenseF32Weight(w, w.data_ptr(), n, k, row_bytes=4 * k)
-    torch.testing.assert_close(dense_f32_matmul(plain, x), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense_f32_matmul(plain, x), full, rtol=1e-5, atol=1e-4)
 
 
 def test_blocked_layout_check_refuses_a_mismatch() -> None:
@@ -139,9 +143,10 @@ class _Counting:
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "plain"])
 def test_few_rows_take_the_c_kernel(monkeypatch: pytest.MonkeyPatch, packing: bool) -> None:
-    """Up to KERNEL_MAX_ROWS rows multiply through the C kernel on the copy the layer keeps
-    (oneDNN's packed one, read in place where its layout is recognised; else the plain
-    weight), more rows through torch; both equal F.linear."""
+    """Up to the view's max_rows rows multiply through the C kernel on the copy the layer
+    keeps (oneDNN's packed one, read in place where its layout is recognised: up to
+    PACKED_KERNEL_MAX_ROWS where dense_f32.c has its tiles; else the plain weight, up to
+    KERNEL_MAX_ROWS), more rows through torch; both equal F.linear."""
     lib = load_kernels()
     if lib is None:
         pytest.skip("no C compiler")
@@ -158,17 +163,20 @@ def test_few_rows_take_the_c_kernel(monkeypatch: pytest.MonkeyPatch, packing: bo
         if dense is None:
             pytest.skip("oneDNN chose a packed layout dense_f32.c does not read on this CPU")
         assert dense.owner is layer.packed_weight and dense.block > 0
+        tiles = lib.pg_f32_blocked_tiles(dense.block)
+        assert dense.max_rows == (PACKED_KERNEL_MAX_ROWS if tiles else KERNEL_MAX_ROWS)
     else:
         assert dense is not None and dense.block == 0 and dense.ptr == layer.weight.data_ptr()
+        assert dense.max_rows == KERNEL_MAX_ROWS
     counting = _Counting(lib)
     monkeypatch.setattr(linear_module, "load_kernels", lambda: counting)
     g = torch.Generator().manual_seed(5)
-    for rows in (1, 8, 9):
+    for rows in (1, 8, 9, dense.max_rows, dense.max_rows + 1):
         counting.called.clear()
         x = torch.randn(rows, 576, generator=g)
         want = F.linear(x.double(), weight.double(), b.double()).float()  # values ~ 24
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
         kernel = "pg_gemm_f32_blocked" if packing else "pg_gemm"
-        assert counting.called == ([kernel] if rows <= KERNEL_MAX_ROWS else [])
+        assert counting.called == ([kernel] if rows <= dense.max_rows else [])
     with pytest.raises(ValueError, match="input has 575 features, the weight takes 576"):
         layer(torch.randn(2, 575))  # refused before the kernel would read past a row
