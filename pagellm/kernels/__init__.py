@@ -156,4 +156,6 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_f32_blocked_matches.restype = ctypes.c_int
     lib.pg_gemm_f32_blocked.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, i64]
     lib.pg_gemm_f32_blocked.restype = ctypes.c_int
+    lib.pg_f32_blocked_tiles.argtypes = [i64]
+    lib.pg_f32_blocked_tiles.restype = ctypes.c_int
     return lib
