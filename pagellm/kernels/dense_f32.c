@@ -30,9 +30,7 @@
 #include "ggml_common.h"
 
 #define NB_MAX 64
-#ifndef PG_F32_TILE_MIN_ROWS
-#define PG_F32_TILE_MIN_ROWS 4
-#endif
+#define TILE_MIN_ROWS 4 /* more rows than this take the L1-chunked tiles (AVX-512, NB 64) */
 
 /* 1 when W [N, K] (row-major) sits in Wp at the layout above, else 0. */
 int pg_f32_blocked_matches(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
@@ -137,9 +135,7 @@ TILE512(6)
 /* C [M, 64] (row stride ldc) = X [M, K] times one full block, k in chunks of PG_F32_KC
  * so that a chunk of the block (KC x 64 floats) stays in L1 while every row group of the
  * input passes over it. */
-#ifndef PG_F32_KC
 #define PG_F32_KC 128
-#endif
 static void tiles512(const float *blk, int64_t K, const float *x, int64_t ldx, int64_t M,
                      float *c, int64_t ldc) {
     typedef void (*tile_fn)(const float *, int64_t, int64_t, const float *, int64_t, float *,
@@ -209,7 +205,7 @@ static block_fn pick(int64_t nb) {
  * CPU (else each row group re-reads whole blocks, and oneDNN is the faster choice). */
 int pg_f32_blocked_tiles(int64_t nb) {
 #ifdef PG_X86_DISPATCH
-    return nb == 64 && pick(nb) == block512;
+    return pick(nb) == block512;
 #else
     (void)nb;
     return 0;
@@ -223,11 +219,12 @@ int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int6
     if (nb <= 0 || nb > NB_MAX || kp < K) return -1;
     const block_fn fn = pick(nb);
     const int64_t blocks = (N + nb - 1) / nb;
+    int64_t first = 0; /* the blocks from here on go through fn, four rows at a time */
 #ifdef PG_X86_DISPATCH
-    if (fn == block512 && M > PG_F32_TILE_MIN_ROWS) {
+    if (fn == block512 && M > TILE_MIN_ROWS) {
         /* Many rows: full blocks go straight into Y through the L1-chunked tiles; with few
          * blocks the rows are split in two so that both threads get work. A last, partial
-         * block takes the path below. */
+         * block is left to the loop below. */
         const int64_t full = N / 64, halves = full < 16 ? 2 : 1;
         const int64_t mh = (M + halves - 1) / halves;
 #pragma omp parallel for schedule(static) if (N * K * M >= 262144)
@@ -237,20 +234,11 @@ int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int6
             if (rows > 0)
                 tiles512(Wp + b * kp * 64, K, X + m0 * ldx, ldx, rows, Y + m0 * ldy + b * 64, ldy);
         }
-        if (full == blocks) return 0;
-        const int64_t b = full, cols = N - b * 64;
-        float t[4 * NB_MAX];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t rows = M - m0 < 4 ? M - m0 : 4;
-            fn(Wp + b * kp * nb, nb, K, X + m0 * ldx, ldx, rows, t);
-            for (int64_t r = 0; r < rows; r++)
-                memcpy(Y + (m0 + r) * ldy + b * 64, t + r * NB_MAX, (size_t)cols * sizeof(float));
-        }
-        return 0;
+        first = full;
     }
 #endif
-#pragma omp parallel for schedule(static) if (N * K * M >= 262144)
-    for (int64_t b = 0; b < blocks; b++) {
+#pragma omp parallel for schedule(static) if (N * K * M >= 262144 && blocks - first > 1)
+    for (int64_t b = first; b < blocks; b++) {
         float t[4 * NB_MAX];
         const int64_t n0 = b * nb, cols = N - n0 < nb ? N - n0 : nb;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {

@@ -108,8 +108,8 @@ static inline __attribute__((always_inline)) void decode_heads(
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
             const float *vr = v_store + ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
-            if (d0 == 0 && (i + 16) / 16 < j1) { /* the next block's row, while this one computes */
-                const char *vn = (const char *)(v_store + ((kvh * NB + row[(i + 16) / 16]) * 16 + i % 16) * D);
+            if (d0 == 0 && i / 16 + 1 < j1) { /* the next block's row, while this one computes */
+                const char *vn = (const char *)(v_store + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D);
                 for (int64_t c = 0; c < D; c += 16) _mm_prefetch(vn + 4 * c, _MM_HINT_T0);
             }
             __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
