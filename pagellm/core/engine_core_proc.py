@@ -9,6 +9,7 @@ and when its parent process dies.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import queue
@@ -187,12 +188,15 @@ def main() -> None:
 
     def on_sigterm(signum: int, frame: Any) -> None:
         if proc is None:
-            raise SystemExit(0)
+            _exit_now(0)
         proc.shutdown_requested = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
-    config = pickle.loads(sys.stdin.buffer.read())  # process bootstrap only, never the wire
+    payload = sys.stdin.buffer.read()  # process bootstrap only, never the wire
+    if not payload:  # a prestarted process its frontend never claimed
+        _exit_now(0)
+    config = pickle.loads(payload)
     try:
         engine = EngineCore(config.with_data_parallel_rank(args.rank))
     except Exception as e:
@@ -208,6 +212,16 @@ def main() -> None:
         sys.exit(1)
     finally:
         engine.shutdown()
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process once its own shutdown is done, skipping the interpreter's teardown
+    of torch's modules: ~0.8 s here, which the frontend waiting on this exit would pay."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

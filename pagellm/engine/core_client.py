@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import pickle
 import queue
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -46,6 +44,7 @@ from pagellm.core.protocol import (
     rank_of_identity,
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
+from pagellm.engine.prestart import claim_prestarted, engine_command, socket_addresses
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -178,24 +177,20 @@ class _BackgroundResources:
 
 
 def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[subprocess.Popen]:
-    payload = pickle.dumps(config)  # process bootstrap over a pipe, never over ZMQ
     procs = []
     for rank in ranks:
-        cmd = [
-            sys.executable, "-m", "pagellm.core.engine_core_proc",
-            "--input-address", input_addr, "--output-address", output_addr,
-            "--rank", str(rank), "--parent-pid", str(os.getpid()),
-        ]
-        # The engine inherits the OpenMP settings as they are: libgomp's default (idle
-        # threads spin a while, then sleep) matches in-process speed, while PASSIVE
-        # (sleep at once) cost 11% on workload V and ACTIVE (spin forever) starves the
-        # frontend's threads on a small machine.
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
-        assert proc.stdin is not None
-        proc.stdin.write(payload)
-        proc.stdin.close()
+        proc = subprocess.Popen(engine_command(rank, input_addr, output_addr), stdin=subprocess.PIPE)
+        _send_config(proc, config)
         procs.append(proc)
     return procs
+
+
+def _send_config(proc: subprocess.Popen, config: EngineConfig) -> None:
+    """Hands a started engine process its config (process bootstrap over a pipe, never
+    over ZMQ); it reads it once its imports are done."""
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps(config))
+    proc.stdin.close()
 
 
 def _parse_handshake(frames: list[bytes]) -> tuple[int, EngineCoreReadyResponse]:
@@ -268,9 +263,11 @@ class MPClient(EngineCoreClient):
 
     def _start(self, asyncio_mode: bool) -> None:
         res = self.resources
-        res.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
-        self.input_addr = f"ipc://{res.tmpdir}/input.sock"
-        self.output_addr = f"ipc://{res.tmpdir}/output.sock"
+        prestarted = claim_prestarted() if self.ranks == [0] else None
+        res.tmpdir = prestarted.tmpdir if prestarted else tempfile.mkdtemp(prefix="pagellm-")
+        if prestarted:
+            res.procs = {0: prestarted.proc}  # released by the finalizer from here on
+        self.input_addr, self.output_addr = socket_addresses(res.tmpdir)
         self.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         res.ctx = self.ctx
         # Handshake on a plain sync socket; async sockets are made on the same address after.
@@ -285,7 +282,10 @@ class MPClient(EngineCoreClient):
         self.output_socket.bind(self.output_addr)
         res.sockets.append(self.output_socket)
 
-        res.procs = dict(zip(self.ranks, _launch_engines(self.config, self.ranks, self.input_addr, self.output_addr)))
+        if prestarted:
+            _send_config(prestarted.proc, self.config)
+        else:
+            res.procs = dict(zip(self.ranks, _launch_engines(self.config, self.ranks, self.input_addr, self.output_addr)))
         self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, res.procs))
         self.identities = {rank: engine_identity(rank) for rank in self.ranks}
         self._start_monitor()

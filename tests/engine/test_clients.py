@@ -254,3 +254,36 @@ def test_engine_gone_after_llm_is_collected() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ALIVE []" in result.stdout
+
+
+def test_llm_claims_a_prestarted_engine_process(reference_tokens) -> None:
+    from pagellm.engine import prestart
+
+    prestart.prestart_engine_core()
+    waiting = prestart._waiting
+    assert waiting is not None and waiting.proc.poll() is None
+    llm = LLM()
+    try:
+        assert prestart._waiting is None
+        assert llm.llm_engine.engine_core.engine_pids == [waiting.proc.pid]
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == reference_tokens
+    finally:
+        llm.shutdown()
+    assert waiting.proc.wait(timeout=10) is not None
+    assert not os.path.exists(waiting.tmpdir)
+
+
+def test_unclaimed_prestarted_engine_exits_and_cleans_up() -> None:
+    from pagellm.engine import prestart
+
+    prestart.prestart_engine_core()
+    waiting = prestart._waiting
+    assert waiting is not None and os.path.isdir(waiting.tmpdir)
+    assert waiting.proc.stdin is not None
+    waiting.proc.stdin.close()  # what a frontend that never claims it leaves: end of file
+    assert waiting.proc.wait(timeout=60) == 0  # after its imports, without loading a model
+    prestart.discard_prestarted()
+    assert prestart._waiting is None
+    assert not os.path.exists(waiting.tmpdir)
+    assert prestart.claim_prestarted() is None

@@ -9,6 +9,7 @@ import sys
 import time
 import warnings
 
+import psutil
 import pytest
 
 from pagellm import LLM, SamplingParams
@@ -43,6 +44,29 @@ def test_chat_message_prints_the_reply(reference) -> None:
     result = _pagellm("chat", "--message", "Hi!", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == reference["chat"] + "\n"
+
+
+def test_generate_with_its_engine_in_a_prestarted_process(reference) -> None:
+    """With multiprocessing on (the default) the command starts the engine-core process
+    before it reads the model's config and hands that process the config."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGELLM_ENABLE_MULTIPROCESSING": "1"}
+    result = subprocess.run([sys.executable, "-m", "pagellm", "generate", "The capital of France is",
+                             "--max-tokens", "12"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "The capital of France is" + reference["generate"] + "\n"
+
+
+def test_a_model_that_does_not_exist_leaves_no_prestarted_engine() -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGELLM_ENABLE_MULTIPROCESSING": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagellm", "generate", "x", "--model",
+                             "/tmp/does-not-exist/model.gguf"], stderr=subprocess.PIPE, text=True, env=env)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "pagellm generate: error:" in stderr and "does-not-exist" in stderr
+    time.sleep(0.5)
+    leftover = [p for p in psutil.process_iter(["cmdline"])
+                if f"--parent-pid {proc.pid}" in " ".join(p.info["cmdline"] or [])]
+    assert leftover == []
 
 
 def test_bad_flag_values_are_rejected() -> None:

@@ -43,7 +43,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat-format", action="store_true", help="Wrap each prompt as a user chat message.")
     add_sampling_args(gen)
     EngineArgs.add_cli_args(gen)
-    gen.set_defaults(func=run_generate)
+    gen.set_defaults(func=run_generate, starts_engine=True)
 
     chat = sub.add_parser("chat", help="Chat with the model (interactive, or one --message).")
     chat.add_argument("--message", "-m", default=None, help="Send one message, print the reply, exit.")
@@ -51,7 +51,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--chat-template", default=None, help="Jinja chat template (file path or text).")
     add_sampling_args(chat)
     EngineArgs.add_cli_args(chat)
-    chat.set_defaults(func=run_chat)
+    chat.set_defaults(func=run_chat, starts_engine=True)
 
 
 def _make_llm(args: argparse.Namespace) -> Any:

@@ -80,6 +80,15 @@ def check_args(args: argparse.Namespace) -> None:
         EngineArgs.from_cli_args(args).verify_args()
 
 
+def _runs_one_engine_process(args: argparse.Namespace) -> bool:
+    """Whether the command will start one engine-core process, rank 0 (generate, chat and
+    serve without data parallelism, multiprocessing on)."""
+    from pagellm import envs
+
+    return (getattr(args, "starts_engine", False) and envs.PAGELLM_ENABLE_MULTIPROCESSING
+            and getattr(args, "data_parallel_size", 1) == 1)
+
+
 def _version() -> str:
     from pagellm import __version__
 
@@ -100,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
     except (ValueError, TypeError) as e:
         chosen.error(str(e))
+    if _runs_one_engine_process(args):
+        from pagellm.engine.prestart import prestart_engine_core
+
+        prestart_engine_core()  # it imports torch while the frontend reads the config
     from pagellm.engine.exceptions import EngineStartupError
 
     try:

@@ -58,7 +58,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Log level of uvicorn's own messages.")
     ServingLimits.add_cli_args(p)
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, starts_engine=True)
 
 
 def run(args: argparse.Namespace) -> int:
