@@ -134,3 +134,47 @@ void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *o
         silu_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I);
     }
 }
+
+/* out[t] = the index of the largest of row t's N values, as torch.argmax: the first one
+ * when several are equal, the first NaN when the row has any. Eight lanes each keep
+ * their best value and its index (a strict `>` keeps the earliest); the lanes are then
+ * merged, the lowest index winning ties, and the tail is scanned after them. */
+void pg_argmax_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t *out) {
+#pragma omp parallel for schedule(static) if (T * N >= 4 * PG_ROWS_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *r = x + t * ldx;
+        v8f best = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                    -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        v8i at = {0, 1, 2, 3, 4, 5, 6, 7}, idx = at, nan = {0};
+        int64_t i = 0;
+        for (; i + 8 <= N && i + 8 <= INT32_MAX; i += 8, idx += 8) {
+            v8f v;
+            memcpy(&v, r + i, sizeof v);
+            const v8i better = v > best;
+            nan |= v != v;
+            best = (v8f)(((v8i)v & better) | ((v8i)best & ~better));
+            at = (idx & better) | (at & ~better);
+        }
+        int64_t k = at[0];
+        float b = best[0];
+        int any_nan = nan[0] != 0;
+        for (int j = 1; j < 8; j++) {
+            any_nan |= nan[j] != 0;
+            if (best[j] > b || (best[j] == b && at[j] < k)) {
+                b = best[j];
+                k = at[j];
+            }
+        }
+        for (; i < N; i++) {
+            any_nan |= r[i] != r[i];
+            if (r[i] > b) {
+                b = r[i];
+                k = i;
+            }
+        }
+        if (any_nan)
+            for (k = 0; r[k] == r[k]; k++) {
+            }
+        out[t] = k;
+    }
+}

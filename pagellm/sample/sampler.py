@@ -115,7 +115,7 @@ class Sampler:
 
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1) if not metadata.all_random else None
+        greedy = ops.argmax(logits) if not metadata.all_random else None
         if metadata.all_greedy or metadata.temperature is None:
             assert greedy is not None
             return greedy

@@ -29,6 +29,7 @@ from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
 from pagellm.scheduler_output import SchedulerOutput
 from pagellm.utils import cdiv
+from pagellm.worker.huge_pages import KVHugePages
 from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
@@ -127,6 +128,12 @@ class ModelRunner:
             for _ in range(m.num_layers)
         ]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
+        self._huge_pages = None
+        if self.device.type == "cpu":
+            self._huge_pages = KVHugePages(
+                [(t.data_ptr(), t.untyped_storage().nbytes()) for kv in self.kv_caches for t in kv],
+                self.kv_caches[0][0].stride(0) * self.kv_caches[0][0].element_size(), num_blocks,
+            )  # a block's pieces are the storage's units of one block stride (see huge_pages)
         self._zero_blocks([0])
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.input_batch = InputBatch(
@@ -166,6 +173,8 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_fill_(0, index, 0.0)
             v_cache.index_fill_(0, index, 0.0)
+        if self._huge_pages is not None:
+            self._huge_pages.update(self._block_zeroed)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -174,6 +183,8 @@ class ModelRunner:
         new_blocks += [b for ids in sched.scheduled_cached_reqs.new_block_ids for b in ids]
         if new_blocks:
             self._zero_blocks(new_blocks)
+        elif self._huge_pages is not None and self._huge_pages.backlog:
+            self._huge_pages.update(self._block_zeroed)
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
             self._parked_generators.pop(req_id, None)

@@ -266,3 +266,28 @@ def test_compute_prompt_logprobs() -> None:
     assert result.token_ids[:, 0].tolist() == targets.tolist()
     torch.testing.assert_close(result.logprobs[:, 0], raw[torch.arange(5), targets])
     assert math.isclose(float(result.logprobs[0, 1]), float(raw[0].max()), rel_tol=1e-6)
+
+
+def test_argmax_kernel_equals_torch_argmax() -> None:
+    """ops.argmax (the C kernel on float32 CPU rows) picks what torch.argmax picks: the
+    first index on ties, within a lane of eight and across lanes, the first NaN."""
+    from pagellm.sample.ops import argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, width in [(1, 1), (3, 7), (2, 8), (4, 9), (5, 17), (51, 49152), (2, 49155)]:
+        x = torch.randn(rows, width, generator=gen)
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), (rows, width)
+    x = torch.zeros(8, 37)
+    x[1] = float("-inf")  # every value -inf: index 0
+    x[2, 5] = x[2, 13] = 3.0  # two lanes tie: the lower index
+    x[3, 10] = x[3, 2] = 4.0  # the later lane holds the lower index
+    x[4, 30] = x[4, 34] = 2.0  # in the tail after the lanes
+    x[5, 21] = float("nan")
+    x[5, 3] = float("nan")
+    x[5, 0] = float("inf")
+    x[6, 36] = float("nan")  # a NaN in the tail only
+    x[7] = torch.arange(37.0) % 5  # 4.0 first at index 4
+    assert argmax(x).tolist() == [0, 0, 5, 2, 30, 3, 36, 4]
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    wide = torch.randn(4, 100, generator=gen)
+    assert torch.equal(argmax(wide[:, :61]), wide[:, :61].argmax(dim=-1))  # rows 100 apart
