@@ -37,8 +37,9 @@ from typing import Any
 
 import psutil
 
-SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "hf", "vllm", "vllm-default",
-           "llamacpp", "llamacpp-default", "llamacpp-batched", "llamacpp-bench")
+SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "pagellm-active", "pagellm-f32-active",
+           "hf", "vllm", "vllm-default", "llamacpp", "llamacpp-default", "llamacpp-batched",
+           "llamacpp-bench")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if not s.endswith("-default"))
 """The default --systems: every peer at its best documented settings (`vllm`, `llamacpp`,
 `llamacpp-batched`, `llamacpp-bench`); the `*-default` rows (the peer's own defaults) are
@@ -49,10 +50,18 @@ PAGELLM_SYSTEMS = {
     "pagellm-mp": {},
     "pagellm-f32": {"quantization": "none"},  # a GGUF dequantized to float32 at load
     "pagellm-q8": {},  # quantized, with the opt-in int8 activations (PAGELLM_SYSTEM_ENV)
+    "pagellm-active": {},  # OpenMP threads spinning (PAGELLM_LAUNCH_ENV)
+    "pagellm-f32-active": {"quantization": "none"},
 }
 """pagellm's systems and the LLM(**kwargs) each adds over --pagellm-kwargs."""
 PAGELLM_SYSTEM_ENV = {"pagellm-q8": {"PAGELLM_GGUF_ACTIVATIONS": "q8"}}
 """Environment a pagellm system's worker sets before building its LLM."""
+PAGELLM_LAUNCH_ENV = {"pagellm-active": {"OMP_WAIT_POLICY": "ACTIVE"},
+                      "pagellm-f32-active": {"OMP_WAIT_POLICY": "ACTIVE"}}
+"""Environment a pagellm system's process starts with (libgomp reads it when torch
+loads): ACTIVE is pagellm's documented setting for a machine of its own, idle OpenMP
+threads spinning instead of sleeping between parallel regions, as vLLM's best-settings
+row spins its bound threads. pagellm's default (PASSIVE) is for a shared machine."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_PREFIX = "RESULT "
 
@@ -310,7 +319,8 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     return {**out, "ready_time": ready, "post_run_pss_mb": pss,
             "note": f"quantization={quantization or 'none'}"
                     + (" (q8 activations)" if args.worker == "pagellm-q8" else ""),
-            "settings": " ".join([*(f"{k}={v}" for k, v in PAGELLM_SYSTEM_ENV.get(args.worker, {}).items()),
+            "settings": " ".join([*(f"{k}={v}" for k, v in {**PAGELLM_LAUNCH_ENV.get(args.worker, {}),
+                                                            **PAGELLM_SYSTEM_ENV.get(args.worker, {})}.items()),
                                   f"LLM(**{json.dumps(kwargs)}, multiprocess_mode={args.worker == 'pagellm-mp'})"]),
             "details": {"llm_kwargs": kwargs, "quantization": quantization}}
 
@@ -751,7 +761,7 @@ def wait_for_server(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise RuntimeError(f"the server at {url} did not start within {timeout:.0f} s")
 
 
-WORKERS = {"pagellm": worker_pagellm, "pagellm-f32": worker_pagellm, "pagellm-q8": worker_pagellm, "pagellm-mp": worker_pagellm,
+WORKERS = {**{name: worker_pagellm for name in PAGELLM_SYSTEMS},
            "hf": worker_hf, "llamacpp": worker_llamacpp, "llamacpp-default": worker_llamacpp,
            "llamacpp-batched": worker_llamacpp_batched, "llamacpp-bench": worker_llamacpp_bench}
 
@@ -837,6 +847,7 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})", best=system == "vllm")
     else:
         cmd = worker_command(args, system, req_file)
+        env.update(PAGELLM_LAUNCH_ENV.get(system, {}))
     log = tmp / f"{system}.log"
     launch = time.time()
     with open(log, "w") as err:
