@@ -322,7 +322,8 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
             "settings": " ".join([*(f"{k}={v}" for k, v in {**PAGELLM_LAUNCH_ENV.get(args.worker, {}),
                                                             **PAGELLM_SYSTEM_ENV.get(args.worker, {})}.items()),
                                   f"LLM(**{json.dumps(kwargs)}, multiprocess_mode={args.worker == 'pagellm-mp'})"]),
-            "details": {"llm_kwargs": kwargs, "quantization": quantization}}
+            "details": {"llm_kwargs": kwargs, "quantization": quantization,
+                        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
 
 
 class _TokenTimes:

@@ -276,6 +276,25 @@ def test_compare_single_stream_repeats_both_pagellm_paths(tmp_path: Path) -> Non
     assert "median of 2 runs" in res.stdout
 
 
+def test_compare_active_rows_start_with_spinning_openmp_threads(tmp_path: Path) -> None:
+    """pagellm-f32-active runs the float32 path with OMP_WAIT_POLICY=ACTIVE in its
+    process's environment from launch (libgomp reads it when torch loads); the default
+    row keeps pagellm's PASSIVE."""
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--quick", "--workloads", "S",
+         "--systems", "pagellm-f32,pagellm-f32-active", "--results-dir", str(tmp_path)],
+        env={k: v for k, v in ENV.items() if k != "OMP_WAIT_POLICY"}, cwd=ROOT,
+        capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    active, default = rows["pagellm-f32-active"], rows["pagellm-f32"]
+    assert active["settings"].startswith('OMP_WAIT_POLICY=ACTIVE LLM(**{"quantization": "none"}')
+    assert active["details"]["omp_wait_policy"] == "ACTIVE"
+    assert default["details"]["omp_wait_policy"] == "PASSIVE"
+    assert active["output_tokens"] == default["output_tokens"] == 16
+
+
 _FAKE_BATCHED_BENCH = """#!/usr/bin/env python3
 import json, sys
 a = sys.argv
