@@ -50,18 +50,18 @@ PAGELLM_SYSTEMS = {
     "pagellm-mp": {},
     "pagellm-f32": {"quantization": "none"},  # a GGUF dequantized to float32 at load
     "pagellm-q8": {},  # quantized, with the opt-in int8 activations (PAGELLM_SYSTEM_ENV)
-    "pagellm-active": {},  # OpenMP threads spinning (PAGELLM_LAUNCH_ENV)
+    "pagellm-active": {},  # OpenMP threads spinning (PAGELLM_SYSTEM_ENV)
     "pagellm-f32-active": {"quantization": "none"},
 }
 """pagellm's systems and the LLM(**kwargs) each adds over --pagellm-kwargs."""
-PAGELLM_SYSTEM_ENV = {"pagellm-q8": {"PAGELLM_GGUF_ACTIVATIONS": "q8"}}
-"""Environment a pagellm system's worker sets before building its LLM."""
-PAGELLM_LAUNCH_ENV = {"pagellm-active": {"OMP_WAIT_POLICY": "ACTIVE"},
+PAGELLM_SYSTEM_ENV = {"pagellm-q8": {"PAGELLM_GGUF_ACTIVATIONS": "q8"},
+                      "pagellm-active": {"OMP_WAIT_POLICY": "ACTIVE"},
                       "pagellm-f32-active": {"OMP_WAIT_POLICY": "ACTIVE"}}
-"""Environment a pagellm system's process starts with (libgomp reads it when torch
-loads): ACTIVE is pagellm's documented setting for a machine of its own, idle OpenMP
-threads spinning instead of sleeping between parallel regions, as vLLM's best-settings
-row spins its bound threads. pagellm's default (PASSIVE) is for a shared machine."""
+"""Environment a pagellm system's process starts with (libgomp reads OMP_* once, when
+torch loads, so the worker could not set it later). ACTIVE is pagellm's documented
+setting for a machine of its own, idle OpenMP threads spinning instead of sleeping
+between parallel regions, as vLLM's best-settings row spins its bound threads.
+pagellm's default (PASSIVE) is for a shared machine."""
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULT_PREFIX = "RESULT "
 
@@ -300,7 +300,6 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     from pagellm.sampling_params import SamplingParams
 
     kwargs = {**json.loads(args.pagellm_kwargs), **PAGELLM_SYSTEMS[args.worker]}
-    os.environ.update(PAGELLM_SYSTEM_ENV.get(args.worker, {}))
     llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp", **kwargs)
     quantization = getattr(llm.llm_engine.model_config, "quantization", None)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -319,8 +318,7 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
     return {**out, "ready_time": ready, "post_run_pss_mb": pss,
             "note": f"quantization={quantization or 'none'}"
                     + (" (q8 activations)" if args.worker == "pagellm-q8" else ""),
-            "settings": " ".join([*(f"{k}={v}" for k, v in {**PAGELLM_LAUNCH_ENV.get(args.worker, {}),
-                                                            **PAGELLM_SYSTEM_ENV.get(args.worker, {})}.items()),
+            "settings": " ".join([*(f"{k}={v}" for k, v in PAGELLM_SYSTEM_ENV.get(args.worker, {}).items()),
                                   f"LLM(**{json.dumps(kwargs)}, multiprocess_mode={args.worker == 'pagellm-mp'})"]),
             "details": {"llm_kwargs": kwargs, "quantization": quantization,
                         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
@@ -848,7 +846,7 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})", best=system == "vllm")
     else:
         cmd = worker_command(args, system, req_file)
-        env.update(PAGELLM_LAUNCH_ENV.get(system, {}))
+        env.update(PAGELLM_SYSTEM_ENV.get(system, {}))
     log = tmp / f"{system}.log"
     launch = time.time()
     with open(log, "w") as err:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,7 +31,7 @@ MAX_COLLAPSES_PER_STEP = 8
 the same step, so they are spread over steps instead of stalling one."""
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
