@@ -163,27 +163,26 @@ class ModelRunner:
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
 
-    def _zero_blocks(self, block_ids: list[int]) -> None:
+    def _zero_blocks(self, block_ids: list[int]) -> bool:
+        """Zeroes the blocks never handed out before; whether there were any."""
         ids = np.asarray(block_ids, dtype=np.int64)
         ids = ids[~self._block_zeroed[ids]]
         if len(ids) == 0:
-            return
+            return False
         self._block_zeroed[ids] = True
         index = torch.from_numpy(ids).to(self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_fill_(0, index, 0.0)
             v_cache.index_fill_(0, index, 0.0)
-        if self._huge_pages is not None:
-            self._huge_pages.update(self._block_zeroed)
+        return True
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         batch = self.input_batch
         assert batch is not None
         new_blocks = [b for new in sched.scheduled_new_reqs for b in new.block_ids]
         new_blocks += [b for ids in sched.scheduled_cached_reqs.new_block_ids for b in ids]
-        if new_blocks:
-            self._zero_blocks(new_blocks)
-        elif self._huge_pages is not None and self._huge_pages.backlog:
+        fresh = self._zero_blocks(new_blocks) if new_blocks else False
+        if self._huge_pages is not None and (fresh or self._huge_pages.backlog):
             self._huge_pages.update(self._block_zeroed)
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
