@@ -161,7 +161,8 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     """Draws one token per row with the exponential race: argmax(p / q), q ~ Exp(1).
 
     Seeded rows draw q from their own generator, so their draw depends only on their seed
-    and step count, not on which other requests share the batch.
+    and step count, not on which other requests share the batch. (The torch path; float32
+    CPU rows take `sample_rows`.)
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
@@ -169,3 +170,50 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     return probs.div_(q).argmax(dim=-1)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    generators: dict[int, torch.Generator],
+    skip: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One token per row drawn from softmax(logits) after top-k and top-p, as
+    `apply_top_k_top_p` + `random_sample` would keep and weigh them, in one C pass
+    (pg_sample_rows in kernels/sampling.c) that sorts only the best tokens and draws with
+    one uniform number per row instead of an exponential per token: for a 49152-token
+    vocabulary ~60x less work per row than sorting and drawing in torch. Seeded rows
+    take their number from their own generator (batch-independent, as above).
+
+    `skip` [B] bool marks rows whose result is not wanted (greedy rows); their entries
+    are left as garbage. Returns None where the kernel does not apply (no C kernels,
+    not float32 CPU rows with contiguous columns): the caller then takes the torch path.
+    """
+    from pagellm.kernels import load_kernels
+
+    lib = load_kernels() if logits.device.type == "cpu" else None
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return None
+    rows = logits.shape[0]
+    uniform = (torch.rand(rows, dtype=torch.float64) if len(generators) < rows
+               else torch.empty(rows, dtype=torch.float64))
+    for row, generator in generators.items():
+        uniform[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    if top_k is not None:
+        top_k = top_k.to(torch.int64).contiguous()
+    if top_p is not None:
+        top_p = top_p.to(torch.float32).contiguous()
+    if skip is not None:
+        skip = skip.to(torch.uint8).contiguous()
+    out = torch.zeros(rows, dtype=torch.int64)
+    rc = lib.pg_sample_rows(
+        logits.data_ptr(), logits.stride(0), rows, logits.shape[1],
+        top_k.data_ptr() if top_k is not None else None,
+        top_p.data_ptr() if top_p is not None else None,
+        uniform.data_ptr(), skip.data_ptr() if skip is not None else None, out.data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("sampling: out of memory for the scratch of a logits row")
+    return out

@@ -125,9 +125,12 @@ class Sampler:
         logits.div_(torch.where(is_greedy_row, 1.0, temperature).unsqueeze(1))
         if metadata.min_p is not None:
             ops.apply_min_p(logits, metadata.min_p.to(logits.device))
-        logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        sampled = ops.random_sample(probs, metadata.generators)
+        sampled = ops.sample_rows(logits, metadata.top_k, metadata.top_p, metadata.generators,
+                                  skip=is_greedy_row if greedy is not None else None)
+        if sampled is None:  # no C kernel for these logits: the same choice in torch ops
+            logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+            probs = torch.softmax(logits, dim=-1)
+            sampled = ops.random_sample(probs, metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(is_greedy_row, greedy, sampled)

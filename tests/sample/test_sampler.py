@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from pagellm.kernels import load_kernels
+from pagellm.sample import ops
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.ops import apply_penalties, apply_top_k_top_p
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
@@ -58,6 +60,17 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
     return Sampler().forward(logits, metadata).sampled_token_ids.tolist()
 
 
+@pytest.fixture(params=["c", "torch"])
+def sampling_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a random-sampling test through the C draw (pg_sample_rows) and through the
+    torch composition it replaces (what runs where the kernel does not apply)."""
+    if request.param == "torch":
+        monkeypatch.setattr(ops, "sample_rows", lambda *args, **kwargs: None)
+    elif load_kernels() is None:
+        pytest.skip("no C compiler: the torch path is the only one")
+    return request.param
+
+
 def test_greedy_is_argmax_and_leaves_input_untouched() -> None:
     logits = logits_for(4)
     before = logits.clone()
@@ -68,13 +81,13 @@ def test_greedy_is_argmax_and_leaves_input_untouched() -> None:
     assert torch.equal(logits, before)
 
 
-def test_top_k_1_equals_greedy() -> None:
+def test_top_k_1_equals_greedy(sampling_path: str) -> None:
     logits = logits_for(8, seed=1)
     metadata = random_metadata(8, top_k=torch.ones(8, dtype=torch.int64))
     assert sample(logits, metadata) == logits.argmax(-1).tolist()
 
 
-def test_mixed_batch_greedy_rows_take_argmax() -> None:
+def test_mixed_batch_greedy_rows_take_argmax(sampling_path: str) -> None:
     logits = logits_for(4, seed=2)
     temperature = torch.tensor([0.0, 1.0, 0.0, 1.0])
     metadata = make_metadata(4, temperature=temperature, all_greedy=False, all_random=False)
@@ -94,7 +107,7 @@ def seeded_draws(batch: int, row: int, seed: int, steps: int) -> list[int]:
     return draws
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+def test_seeded_sampling_is_reproducible_and_batch_independent(sampling_path: str) -> None:
     alone = seeded_draws(batch=1, row=0, seed=1234, steps=20)
     assert alone == seeded_draws(batch=1, row=0, seed=1234, steps=20)
     assert alone == seeded_draws(batch=4, row=2, seed=1234, steps=20)
@@ -102,7 +115,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     assert alone != seeded_draws(batch=1, row=0, seed=99, steps=20)
 
 
-def test_sampling_follows_the_distribution() -> None:
+def test_sampling_follows_the_distribution(sampling_path: str) -> None:
     probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
     logits = probs.log().unsqueeze(0).repeat(4000, 1)
     gens = {0: torch.Generator().manual_seed(0)}
@@ -139,7 +152,7 @@ def test_top_k_keeps_k_best_per_row() -> None:
     assert kept_tokens(out[2:3]) == {1, 3, 4, 2}
 
 
-def test_min_p_excludes_tokens_below_threshold_through_sampler() -> None:
+def test_min_p_excludes_tokens_below_threshold_through_sampler(sampling_path: str) -> None:
     # min_p=0.45 of max 0.4 -> threshold 0.18: tokens 1 (0.4), 3 (0.25), 4 (0.2) survive.
     logits = HAND_PROBS.log().unsqueeze(0).repeat(2000, 1)
     metadata = random_metadata(
@@ -148,7 +161,7 @@ def test_min_p_excludes_tokens_below_threshold_through_sampler() -> None:
     assert set(sample(logits, metadata)) == {1, 3, 4}
 
 
-def test_top_p_through_sampler() -> None:
+def test_top_p_through_sampler(sampling_path: str) -> None:
     logits = HAND_PROBS.log().unsqueeze(0).repeat(2000, 1)
     metadata = random_metadata(2000, top_p=torch.full((2000,), 0.7))
     assert set(sample(logits, metadata)) == {1, 3, 4}
@@ -291,3 +304,105 @@ def test_argmax_kernel_equals_torch_argmax() -> None:
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     wide = torch.randn(4, 100, generator=gen)
     assert torch.equal(argmax(wide[:, :61]), wide[:, :61].argmax(dim=-1))  # rows 100 apart
+
+
+def draw(logits: torch.Tensor, uniform: list[float], top_k: list[int] | None = None,
+         top_p: list[float] | None = None, skip: list[bool] | None = None) -> list[int]:
+    """pg_sample_rows on float32 rows, with the uniform number of each row given."""
+    lib = load_kernels()
+    rows, width = logits.shape
+    out = torch.full((rows,), -7, dtype=torch.int64)
+    k = torch.tensor(top_k, dtype=torch.int64) if top_k is not None else None
+    p = torch.tensor(top_p, dtype=torch.float32) if top_p is not None else None
+    u = torch.tensor(uniform, dtype=torch.float64)
+    s = torch.tensor(skip, dtype=torch.uint8) if skip is not None else None
+    assert lib.pg_sample_rows(
+        logits.data_ptr(), logits.stride(0), rows, width, k.data_ptr() if k is not None else None,
+        p.data_ptr() if p is not None else None, u.data_ptr(),
+        s.data_ptr() if s is not None else None, out.data_ptr()) == 0
+    return out.tolist()
+
+
+def kept_weights(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(logits) in float64 over the tokens the torch path keeps
+    (apply_top_k_top_p), 0 elsewhere."""
+    kept = apply_top_k_top_p(logits[None].clone(), torch.tensor([top_k]),
+                             torch.tensor([top_p]))[0] > float("-inf")
+    return torch.softmax(logits.double(), dim=-1) * kept
+
+
+def inverse_draws(weights: torch.Tensor, grid: list[float]) -> list[tuple[int, float]]:
+    """For each u, the first token in column order whose running sum of weights passes
+    u * (their total), and how close u * total came to a running sum (a draw that close to
+    a boundary may round either way)."""
+    cum = weights.cumsum(0)
+    targets = torch.tensor(grid, dtype=torch.float64) * cum[-1]
+    chosen = torch.searchsorted(cum, targets, right=True)
+    margins = (cum[None, :] - targets[:, None]).abs().amin(dim=1) / cum[-1]
+    return list(zip(chosen.tolist(), margins.tolist()))
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+@pytest.mark.parametrize("width", [5, 33, 1000, 49155])
+def test_sample_kernel_draws_what_the_torch_composition_keeps(width: int) -> None:
+    """For a grid of uniform numbers, pg_sample_rows draws exactly the token that inverse
+    sampling over the torch path's kept set draws, for top-k, top-p, both and neither, on
+    peaked and flat rows with masked tokens (draws within 1e-6 of a boundary excepted)."""
+    gen = torch.Generator().manual_seed(width)
+    settings = [(0, 1.0), (1, 1.0), (3, 1.0), (40, 1.0), (width - 1, 1.0), (0, 0.05),
+                (0, 0.5), (0, 0.9), (0, 0.999), (40, 0.95), (3, 0.5)]
+    fixed = [(i + 0.5) / 64 for i in range(64)] + [0.0, 1.0 - 2**-40]
+    compared = 0
+    for scale in (0.5, 3.0, 12.0):
+        logits = torch.randn(width, generator=gen) * scale
+        logits[torch.randperm(width, generator=gen)[: width // 5]] = float("-inf")
+        for top_k, top_p in settings:
+            weights = kept_weights(logits, top_k, top_p)
+            # and the middle of the share of each of the 32 lightest kept tokens: the
+            # ones at the edge of top-k and top-p, which a kept set one token off misses
+            cum = weights.cumsum(0) / weights.sum()
+            share = weights / weights.sum()
+            lightest = torch.where(share > 0, share, 2.0).argsort()[:32]
+            grid = fixed + [float(cum[j] - share[j] / 2) for j in lightest if share[j] > 0]
+            rows = logits[None].expand(len(grid), width).contiguous()
+            got = draw(rows, grid, [top_k] * len(grid), [top_p] * len(grid))
+            for u, token, (expected, margin) in zip(grid, got, inverse_draws(weights, grid)):
+                if margin > 1e-6:
+                    assert token == expected, (scale, top_k, top_p, u)
+                    compared += 1
+                assert logits[token] > float("-inf")
+    assert compared > 0.95 * 3 * len(settings) * len(fixed)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+def test_sample_kernel_edges() -> None:
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([
+        [-inf, 0.0, -inf, 1.0, -inf],  # masked tokens are never drawn, even at u = 0
+        [-inf, 0.0, -inf, 1.0, -inf],  # u just under 1: the last kept token in column order
+        [-inf, -inf, 2.0, -inf, -inf],  # one token left
+        [nan, 1.0, nan, 1.0, 0.0],  # NaN counts as masked
+        [-inf] * 5,  # nothing left: torch's argmax (0)
+        [0.0, inf, 1.0, inf, 2.0],  # +inf: the first of them
+        [1.0, 3.0, 3.0, 3.0, 0.0],  # top-k 2 keeps all three tied at the 2nd best
+        [1.0, 3.0, 3.0, 3.0, 0.0],
+        [5.0, 4.0, 3.0, 2.0, 1.0],  # top-p near 0: the best token only
+        [5.0, 4.0, 3.0, 2.0, 1.0],  # skipped row: left untouched
+    ])
+    u = [0.0, 1.0 - 2**-40, 0.7, 0.0, 0.3, 0.9, 0.0, 1.0 - 2**-40, 0.999, 0.5]
+    top_k = [0, 0, 0, 0, 0, 0, 2, 2, 0, 0]
+    top_p = [1.0] * 8 + [1e-6, 1.0]
+    skip = [False] * 9 + [True]
+    assert draw(x, u, top_k, top_p, skip) == [1, 3, 2, 1, 0, 1, 1, 3, 0, -7]
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+def test_sample_rows_skips_greedy_rows_and_takes_seeded_numbers() -> None:
+    """ops.sample_rows: a seeded row draws from its own generator's next float64 (so the
+    same seed and step give the same token in any batch); skipped rows are not drawn."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3))
+    gens = {1: torch.Generator().manual_seed(5)}
+    out = ops.sample_rows(logits, None, None, gens, skip=torch.tensor([True, False, False]))
+    u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    assert out[1].item() == draw(logits[1:2].contiguous(), [u])[0]
+    assert ops.sample_rows(logits.to(torch.float64), None, None, {}) is None  # not float32
