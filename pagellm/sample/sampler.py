@@ -68,8 +68,9 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-        # 2. Work on a private float32 copy; the caller's logits stay untouched.
-        logits = logits.to(torch.float32, copy=True)
+        # 2. Work on a private float32 copy; the caller's logits stay untouched. Plain
+        #    greedy rows only read them (a 51 x 49152 copy is ~10 MB of fresh pages).
+        logits = logits.to(torch.float32, copy=self.changes_logits(metadata))
         self.apply_constraints(logits, metadata)
         if not metadata.no_penalties:
             self.apply_penalties(logits, metadata)
@@ -82,6 +83,16 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     __call__ = forward
+
+    @staticmethod
+    def changes_logits(metadata: SamplingMetadata) -> bool:
+        """Whether picking tokens writes to the logits (masks, biases, penalties,
+        temperature): the steps below that run in place."""
+        return not (metadata.all_greedy and metadata.no_penalties
+                    and metadata.token_bitmask is None
+                    and metadata.allowed_token_ids_mask is None
+                    and not metadata.bad_words_token_ids and not metadata.logit_bias
+                    and not metadata.min_tokens)
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

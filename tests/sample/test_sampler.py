@@ -406,3 +406,22 @@ def test_sample_rows_skips_greedy_rows_and_takes_seeded_numbers() -> None:
     u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
     assert out[1].item() == draw(logits[1:2].contiguous(), [u])[0]
     assert ops.sample_rows(logits.to(torch.float64), None, None, {}) is None  # not float32
+
+
+@pytest.mark.parametrize("overrides", [
+    {"logit_bias": {0: {3: 5.0}}},
+    {"min_tokens": {0: (3, {0})}},
+    {"bad_words_token_ids": {0: [[2]]}},
+    {"allowed_token_ids_mask": torch.tensor([[False, True] * (V // 2)])},
+    {"no_penalties": False, "presence_penalties": torch.tensor([1.0]),
+     "frequency_penalties": torch.tensor([0.0]), "repetition_penalties": torch.tensor([2.0]),
+     "prompt_token_ids": torch.tensor([[1, 2]]), "output_token_ids": [[3]]},
+])
+def test_greedy_rows_with_logit_changes_leave_the_caller_logits_untouched(
+        overrides: dict[str, Any]) -> None:
+    """Greedy rows read the caller's logits without a copy only when nothing writes to
+    them; every in-place step takes the private copy."""
+    logits = logits_for(1, seed=8)
+    before = logits.clone()
+    Sampler().forward(logits, make_metadata(1, **overrides))
+    assert torch.equal(logits, before)
