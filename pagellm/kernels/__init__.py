@@ -13,8 +13,8 @@ the system's C compiler at first use and cached under
 - `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
   rotary embedding of q and k in place, SiLU-and-mul (layers/layernorm.py,
   rotary_embedding.py, activation.py)
-- `sampling.c`: the next token of each logits row: greedy argmax, and random draws with
-  top-k / top-p (sample/ops.py)
+- `sampling.c`: the next token of each logits row: greedy argmax, random draws with
+  top-k / top-p, and the repetition / frequency / presence penalties (sample/ops.py)
 - `decode_step.c`: a decoder stack over a few single-token decodes in one call, made of
   the kernels above (models/fused_decode.py)
 
@@ -156,6 +156,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_argmax_rows.restype = None
     lib.pg_sample_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.pg_sample_rows.restype = ctypes.c_int
+    lib.pg_apply_penalties.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.pg_apply_penalties.restype = ctypes.c_int
     lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.pg_decode_layers.restype = ctypes.c_int
     lib.pg_f32_blocked_matches.argtypes = [ptr, i64, i64, i64, i64, ptr]

@@ -325,3 +325,70 @@ int pg_sample_rows(const float *x, int64_t ldx, int64_t T, int64_t N, const int6
     }
     return failed ? -1 : 0;
 }
+
+/* Penalties on rows of logits, touching only the tokens a request has seen (the torch
+ * composition in sample/ops.py, apply_penalties, makes ~10 passes over the vocabulary):
+ * a token in the prompt (prompt[t, :], padded with N) or the output (out_ids from
+ * out_offsets[t] to out_offsets[t + 1]) has its logit divided by repetition[t] when
+ * positive, multiplied when not, once; an output token then loses frequency[t] times its
+ * count and presence[t]. The same float32 operations as the torch path, in the same order
+ * per token. Returns 0, or -1 when scratch memory could not be had. */
+int pg_apply_penalties(float *x, int64_t ldx, int64_t T, int64_t N, const int64_t *prompt,
+                       int64_t ldp, int64_t prompt_width, const int64_t *out_ids,
+                       const int64_t *out_offsets, const float *presence,
+                       const float *frequency, const float *repetition) {
+    int failed = 0;
+#pragma omp parallel if (T > 1 && T * N >= PG_ROWS_PARALLEL_MIN)
+    {
+        int32_t *count = calloc((size_t)N, sizeof *count); /* output occurrences */
+        uint8_t *done = calloc((size_t)N, 1); /* repetition applied */
+        if (count == NULL || done == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < T; t++) {
+            if (count == NULL || done == NULL)
+                continue;
+            float *r = x + t * ldx;
+            const int64_t *p = prompt ? prompt + t * ldp : NULL;
+            const int64_t *o = out_ids + out_offsets[t];
+            const int64_t n_out = out_offsets[t + 1] - out_offsets[t];
+            const int64_t n_prompt = p ? prompt_width : 0;
+            const float rep = repetition[t];
+            for (int64_t j = 0; j < n_out; j++)
+                if (o[j] >= 0 && o[j] < N)
+                    count[o[j]]++;
+            for (int pass = 0; pass < 2; pass++) { /* the prompt's tokens, then the output's */
+                const int64_t *ids = pass ? o : p;
+                const int64_t n = pass ? n_out : n_prompt;
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t id = ids[j];
+                    if (id < 0 || id >= N || done[id])
+                        continue;
+                    done[id] = 1;
+                    const float v = r[id];
+                    r[id] = v > 0.0f ? v / rep : v * rep;
+                }
+            }
+            for (int64_t j = 0; j < n_out; j++) { /* each distinct output token once */
+                const int64_t id = o[j];
+                if (id < 0 || id >= N || count[id] == 0)
+                    continue;
+                const float by_count = frequency[t] * (float)count[id];
+                r[id] = r[id] - by_count;
+                r[id] = r[id] - presence[t];
+                count[id] = 0;
+            }
+            for (int64_t j = 0; j < n_prompt; j++)
+                if (p[j] >= 0 && p[j] < N)
+                    done[p[j]] = 0;
+            for (int64_t j = 0; j < n_out; j++)
+                if (o[j] >= 0 && o[j] < N)
+                    done[o[j]] = 0;
+        }
+        free(count);
+        free(done);
+    }
+    return failed ? -1 : 0;
+}

@@ -110,6 +110,9 @@ def apply_penalties(
     presence subtracts a constant once a token appeared; frequency subtracts per count.
     """
     vocab_size = logits.shape[1]
+    if _penalties_in_c(logits, prompt_token_ids, output_token_ids, presence_penalties,
+                       frequency_penalties, repetition_penalties):
+        return
     outputs = _pad_rows(output_token_ids, vocab_size, logits.device)
     output_counts = _token_counts(outputs, vocab_size)
     seen = output_counts > 0
@@ -123,6 +126,50 @@ def apply_penalties(
     logits.copy_(torch.where(seen_any, penalised, logits))
     logits -= frequency_penalties.to(logits.device).unsqueeze(1) * output_counts
     logits -= presence_penalties.to(logits.device).unsqueeze(1) * seen
+
+
+def _penalties_in_c(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> bool:
+    """`apply_penalties` through pg_apply_penalties (kernels/sampling.c) for float32 CPU
+    rows: only the tokens each request has seen are touched. False where it does not
+    apply (the caller then runs the torch composition)."""
+    from pagellm.kernels import load_kernels
+
+    lib = load_kernels() if logits.device.type == "cpu" else None
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1):
+        return False
+    rows = logits.shape[0]
+    prompt = None
+    if prompt_token_ids is not None:
+        prompt = prompt_token_ids.to(device="cpu", dtype=torch.int64).contiguous()
+    lengths = [len(ids) for ids in output_token_ids]
+    offsets = torch.zeros(rows + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    flat = torch.tensor([t for ids in output_token_ids for t in ids], dtype=torch.int64)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values.to(device="cpu", dtype=torch.float32).contiguous()
+
+    presence, frequency, repetition = (per_row(presence_penalties), per_row(frequency_penalties),
+                                       per_row(repetition_penalties))
+    rc = lib.pg_apply_penalties(
+        logits.data_ptr(), logits.stride(0), rows, logits.shape[1],
+        prompt.data_ptr() if prompt is not None else None,
+        prompt.stride(0) if prompt is not None else 0,
+        prompt.shape[1] if prompt is not None else 0,
+        flat.data_ptr(), offsets.data_ptr(), presence.data_ptr(), frequency.data_ptr(),
+        repetition.data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("penalties: out of memory for the scratch of a logits row")
+    return True
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -425,3 +425,36 @@ def test_greedy_rows_with_logit_changes_leave_the_caller_logits_untouched(
     before = logits.clone()
     Sampler().forward(logits, make_metadata(1, **overrides))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+def test_penalty_kernel_equals_the_torch_composition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pg_apply_penalties (touching only seen tokens) gives bit for bit the logits of the
+    torch composition: repeated tokens, prompt-only and output-only tokens, padding,
+    rows without output, positive and negative logits."""
+    gen = torch.Generator().manual_seed(9)
+    rows, width = 6, 1000
+    logits = torch.randn(rows, width, generator=gen) * 4
+    prompt_lens = [7, 0, 300, 12, 1, 50]
+    prompt = torch.full((rows, max(prompt_lens)), width, dtype=torch.int64)
+    for i, n in enumerate(prompt_lens):
+        prompt[i, :n] = torch.randint(0, 40, (n,), generator=gen)  # many repeats
+    outputs = [torch.randint(0, 60, (n,), generator=gen).tolist() for n in (5, 0, 90, 3, 1, 400)]
+    presence = torch.tensor([0.5, 0.0, -0.3, 1.0, 0.0, 2.0])
+    frequency = torch.tensor([0.25, 0.1, 0.0, -0.5, 0.7, 0.05])
+    repetition = torch.tensor([1.3, 1.0, 0.8, 2.0, 1.1, 1.05])
+    ran_c = []
+
+    def run(in_c: bool) -> torch.Tensor:
+        if not in_c:
+            monkeypatch.setattr(ops, "_penalties_in_c", lambda *args: False)
+        out = logits.clone()
+        apply_penalties(out, prompt, outputs, presence, frequency, repetition)
+        ran_c.append(in_c)
+        return out
+
+    via_c = run(True)
+    via_torch = run(False)
+    assert ran_c == [True, False]
+    assert not torch.equal(via_c, logits)
+    assert torch.equal(via_c, via_torch)
