@@ -7,13 +7,17 @@ Linears (random Q4_1 blocks of the model's q|k|v, o, gate|up and down shapes, M 
 rows): `pg_gemm_batched` (ggml_gemm.c, what gguf_matmul runs for 9..BATCHED_MAX_ROWS rows),
 the dequantized-tile path (16 MiB tiles + oneDNN, what it runs above), and torch's float32
 linear on the dequantized weight (what the float32 weights path runs). Decode attention:
-`pg_paged_decode` for 64 requests of 128-240 cached tokens. Each figure is the minimum
-over --reps calls (the least disturbed by other work on a shared machine).
+`pg_paged_decode` for 64 requests of 128-240 cached tokens. Sampling: the Sampler on
+logits rows of the model's vocabulary (49152) through the C kernels (kernels/sampling.c)
+and through the torch composition they replace, for the usual request settings. Each
+figure is the minimum over --reps calls (the least disturbed by other work on a shared
+machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -23,6 +27,9 @@ import torch
 from pagellm.attention.torch_backend import TorchAttentionBackend, _storage
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
+from pagellm.sample import ops as sample_ops
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.sampler import Sampler
 
 Q4_1 = 3
 LINEARS = {"q|k|v": (960, 576), "o": (576, 576), "gate|up": (3072, 576), "down": (576, 1536)}
@@ -102,6 +109,57 @@ def decode_attention(lib, reps: int) -> None:
           f"D={d}: {ms:.3f} ms per layer ({flops / ms / 1e6:.1f} GFLOP/s)")
 
 
+SAMPLING = {
+    "temperature 1": {"temperature": 1.0},
+    "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "temperature 0.7, top_k 40, top_p 0.95": {"temperature": 0.7, "top_k": 40, "top_p": 0.95},
+    "greedy, repetition 1.1, presence 0.5, frequency 0.5": {"penalties": True},
+}
+
+
+def sampling_metadata(rows: int, temperature: float = 0.0, top_p: float | None = None,
+                      top_k: int | None = None, penalties: bool = False) -> SamplingMetadata:
+    """Every row with the same settings; penalties over a 512-token prompt and 128 output
+    tokens per row."""
+    gen = torch.Generator().manual_seed(0)
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((rows,), value)
+
+    return SamplingMetadata(
+        temperature=full(temperature) if temperature else None, all_greedy=not temperature,
+        all_random=bool(temperature), top_p=full(top_p) if top_p else None,
+        top_k=torch.full((rows,), top_k, dtype=torch.int64) if top_k else None, min_p=None,
+        generators={}, max_num_logprobs=None, no_penalties=not penalties,
+        presence_penalties=full(0.5) if penalties else None,
+        frequency_penalties=full(0.5) if penalties else None,
+        repetition_penalties=full(1.1) if penalties else None,
+        prompt_token_ids=torch.randint(0, 49152, (rows, 512), generator=gen) if penalties else None,
+        output_token_ids=[torch.randint(0, 49152, (128,), generator=gen).tolist() if penalties
+                          else [] for _ in range(rows)],
+    )
+
+
+def sampling(reps: int) -> None:
+    """The whole Sampler, C kernels against the torch composition (forced by making the
+    kernel entry points decline, as they do off CPU)."""
+    print(f"{'rows':>5} {'settings':<52} {'torch ms':>9} {'C ms':>7}")
+    c_sample, c_penalties = sample_ops.sample_rows, sample_ops._penalties_in_c
+    for rows in (1, 32):
+        logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(1)) * 4
+        for name, settings in SAMPLING.items():
+            metadata = sampling_metadata(rows, **settings)
+            run = functools.partial(Sampler().forward, logits, metadata)
+            c_ms = best_ms(run, reps)
+            sample_ops.sample_rows = lambda *args, **kwargs: None
+            sample_ops._penalties_in_c = lambda *args: False
+            try:
+                torch_ms = best_ms(run, reps)
+            finally:
+                sample_ops.sample_rows, sample_ops._penalties_in_c = c_sample, c_penalties
+            print(f"{rows:>5} {name:<52} {torch_ms:>9.2f} {c_ms:>7.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 512], help="Input rows M.")
@@ -113,6 +171,7 @@ def main() -> None:
     print(f"torch threads: {torch.get_num_threads()}")
     linears(lib, args.rows, args.reps)
     decode_attention(lib, args.reps)
+    sampling(min(args.reps, 10))
 
 
 if __name__ == "__main__":
