@@ -114,11 +114,13 @@ SAMPLING = {
     "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "temperature 0.7, top_k 40, top_p 0.95": {"temperature": 0.7, "top_k": 40, "top_p": 0.95},
     "greedy, repetition 1.1, presence 0.5, frequency 0.5": {"penalties": True},
+    "greedy, logprobs 5": {"logprobs": 5},
 }
 
 
 def sampling_metadata(rows: int, temperature: float = 0.0, top_p: float | None = None,
-                      top_k: int | None = None, penalties: bool = False) -> SamplingMetadata:
+                      top_k: int | None = None, penalties: bool = False,
+                      logprobs: int | None = None) -> SamplingMetadata:
     """Every row with the same settings; penalties over a 512-token prompt and 128 output
     tokens per row."""
     gen = torch.Generator().manual_seed(0)
@@ -130,7 +132,7 @@ def sampling_metadata(rows: int, temperature: float = 0.0, top_p: float | None =
         temperature=full(temperature) if temperature else None, all_greedy=not temperature,
         all_random=bool(temperature), top_p=full(top_p) if top_p else None,
         top_k=torch.full((rows,), top_k, dtype=torch.int64) if top_k else None, min_p=None,
-        generators={}, max_num_logprobs=None, no_penalties=not penalties,
+        generators={}, max_num_logprobs=logprobs, no_penalties=not penalties,
         presence_penalties=full(0.5) if penalties else None,
         frequency_penalties=full(0.5) if penalties else None,
         repetition_penalties=full(1.1) if penalties else None,
@@ -144,7 +146,7 @@ def sampling(reps: int) -> None:
     """The whole Sampler, C kernels against the torch composition (forced by making the
     kernel entry points decline, as they do off CPU)."""
     print(f"{'rows':>5} {'settings':<52} {'torch ms':>9} {'C ms':>7}")
-    c_sample, c_penalties = sample_ops.sample_rows, sample_ops._penalties_in_c
+    c_kernels = sample_ops.sample_rows, sample_ops._penalties_in_c, sample_ops.logprobs_rows
     for rows in (1, 32):
         logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(1)) * 4
         for name, settings in SAMPLING.items():
@@ -153,10 +155,11 @@ def sampling(reps: int) -> None:
             c_ms = best_ms(run, reps)
             sample_ops.sample_rows = lambda *args, **kwargs: None
             sample_ops._penalties_in_c = lambda *args: False
+            sample_ops.logprobs_rows = lambda *args: None
             try:
                 torch_ms = best_ms(run, reps)
             finally:
-                sample_ops.sample_rows, sample_ops._penalties_in_c = c_sample, c_penalties
+                sample_ops.sample_rows, sample_ops._penalties_in_c, sample_ops.logprobs_rows = c_kernels
             print(f"{rows:>5} {name:<52} {torch_ms:>9.2f} {c_ms:>7.2f}")
 
 

@@ -14,7 +14,8 @@ the system's C compiler at first use and cached under
   rotary embedding of q and k in place, SiLU-and-mul (layers/layernorm.py,
   rotary_embedding.py, activation.py)
 - `sampling.c`: the next token of each logits row: greedy argmax, random draws with
-  top-k / top-p, and the repetition / frequency / presence penalties (sample/ops.py)
+  top-k / top-p, the repetition / frequency / presence penalties, and logprobs
+  (sample/ops.py)
 - `decode_step.c`: a decoder stack over a few single-token decodes in one call, made of
   the kernels above (models/fused_decode.py)
 
@@ -158,6 +159,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_sample_rows.restype = ctypes.c_int
     lib.pg_apply_penalties.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.pg_apply_penalties.restype = ctypes.c_int
+    lib.pg_logprobs_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
+    lib.pg_logprobs_rows.restype = ctypes.c_int
     lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.pg_decode_layers.restype = ctypes.c_int
     lib.pg_f32_blocked_matches.argtypes = [ptr, i64, i64, i64, i64, ptr]

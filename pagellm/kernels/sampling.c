@@ -199,6 +199,28 @@ static double row_exp(const float *r, int64_t n, float m, float *e) {
     return total;
 }
 
+/* The sum of exp(r[i] - m) over the row (row_exp without storing the terms). */
+static double row_sum_exp(const float *r, int64_t n, float m) {
+    double total = 0.0;
+    for (int64_t start = 0; start < n; start += 1024) {
+        const int64_t end = start + 1024 < n ? start + 1024 : n;
+        v8f acc = {0};
+        int64_t i = start;
+        for (; i + 8 <= end; i += 8) {
+            v8f v;
+            memcpy(&v, r + i, sizeof v);
+            acc += v8_select(v > -INFINITY, v8_exp(v - m), (v8f){0});
+        }
+        float part = 0.0f;
+        for (int j = 0; j < 8; j++)
+            part += acc[j];
+        for (; i < end; i++)
+            part += r[i] > -INFINITY ? expf(r[i] - m) : 0.0f;
+        total += part;
+    }
+    return total;
+}
+
 /* The tokens whose weight e is at least `floor` (every weighted token when floor is 0),
  * into c; returns how many, and their summed weight in *mass. */
 static int64_t gather(const float *r, const float *e, int64_t n, float floor, pg_candidate *c,
@@ -391,4 +413,76 @@ int pg_apply_penalties(float *x, int64_t ldx, int64_t T, int64_t N, const int64_
         free(done);
     }
     return failed ? -1 : 0;
+}
+
+/* Logprobs of row t's chosen token and its k best, as log_softmax + topk + a rank count
+ * in torch (sample/sampler.py, gather_logprobs), in two passes over the row with no
+ * [T, N] buffer: the row's log-sum-exp, then the k best kept in a small sorted list (a
+ * value enters only when it beats the list's worst, so most of the row is one compare).
+ * Outputs: ids[t, 0] = chosen[t], ids[t, 1..k] the k best, best first (ties: lower
+ * column first); lp the same columns' logprobs; rank[t] = 1 + how many tokens have a
+ * higher logprob than the chosen one. NaN logits rank nowhere. 0 <= k <= 64. */
+int pg_logprobs_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t k,
+                     const int64_t *chosen, int64_t *ids, float *lp, int64_t *rank) {
+    if (k < 0 || k > 64 || k > N)
+        return -1;
+#pragma omp parallel for schedule(static) if (T > 1 && T * N >= PG_ROWS_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *r = x + t * ldx;
+        const float m = row_max(r, N);
+        const float lse = m == -INFINITY ? -INFINITY : (float)((double)m + log(row_sum_exp(r, N, m)));
+        const int64_t c = chosen[t];
+        const float chosen_lp = r[c] - lse;
+        /* rank: the values above the chosen one, eight at a time */
+        int64_t above = 0, i = 0;
+        v8i count = {0};
+        for (; i + 8 <= N && i + 8 <= INT32_MAX; i += 8) {
+            v8f v;
+            memcpy(&v, r + i, sizeof v);
+            count -= (v8i)((v - lse) > chosen_lp); /* true lanes are -1 */
+        }
+        for (int j = 0; j < 8; j++)
+            above += count[j];
+        for (; i < N; i++)
+            above += r[i] - lse > chosen_lp;
+        /* the k best: a block of eight is looked at lane by lane only when one of its
+         * values beats the list's worst (later equal values never do: higher columns) */
+        pg_candidate best[64];
+        int64_t n_best = 0;
+        for (i = 0; k > 0 && i < N; i += 8) {
+            const int64_t end = i + 8 < N ? i + 8 : N;
+            if (n_best == k && end - i == 8) {
+                v8f v;
+                memcpy(&v, r + i, sizeof v);
+                const v8i beats = (v8i)((v - lse) > best[k - 1].logit);
+                int any = 0;
+                for (int j = 0; j < 8; j++)
+                    any |= beats[j];
+                if (!any)
+                    continue;
+            }
+            for (int64_t l = i; l < end; l++) {
+                const float v = r[l] - lse;
+                if (v != v)
+                    continue;
+                const pg_candidate cand = {v, (int32_t)l};
+                if (n_best == k && !better(cand, best[k - 1]))
+                    continue;
+                int64_t j = n_best < k ? n_best++ : k - 1;
+                for (; j > 0 && better(cand, best[j - 1]); j--)
+                    best[j] = best[j - 1];
+                best[j] = cand;
+            }
+        }
+        int64_t *row_ids = ids + t * (k + 1);
+        float *row_lp = lp + t * (k + 1);
+        row_ids[0] = c;
+        row_lp[0] = chosen_lp;
+        for (int64_t j = 0; j < k; j++) {
+            row_ids[j + 1] = j < n_best ? best[j].index : 0;
+            row_lp[j + 1] = j < n_best ? best[j].logit : -INFINITY;
+        }
+        rank[t] = above + 1;
+    }
+    return 0;
 }

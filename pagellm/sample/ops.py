@@ -264,3 +264,29 @@ def sample_rows(
     if rc != 0:
         raise MemoryError("sampling: out of memory for the scratch of a logits row")
     return out
+
+
+def logprobs_rows(
+    logits: torch.Tensor, num_top: int, chosen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(token ids [B, 1 + k], logprobs [B, 1 + k], ranks [B]) of each row's chosen token
+    and its `num_top` best under log_softmax, through pg_logprobs_rows (kernels/sampling.c):
+    two passes over the row instead of a [B, V] log_softmax, a top-k and a comparison.
+    None where it does not apply (no C kernels, not float32 CPU rows with contiguous
+    columns, or more than 64 top logprobs): the caller then takes torch's ops."""
+    from pagellm.kernels import load_kernels
+
+    lib = load_kernels() if logits.device.type == "cpu" else None
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or not 0 <= num_top <= min(64, logits.shape[1])):
+        return None
+    rows = logits.shape[0]
+    chosen = chosen.to(device="cpu", dtype=torch.int64).contiguous()
+    ids = torch.empty(rows, 1 + num_top, dtype=torch.int64)
+    values = torch.empty(rows, 1 + num_top, dtype=torch.float32)
+    ranks = torch.empty(rows, dtype=torch.int64)
+    rc = lib.pg_logprobs_rows(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], num_top,
+                              chosen.data_ptr(), ids.data_ptr(), values.data_ptr(), ranks.data_ptr())
+    if rc != 0:
+        raise ValueError(f"logprobs: cannot take {num_top} top logprobs of {logits.shape[1]}")
+    return ids, values, ranks

@@ -51,12 +51,22 @@ def gather_logprobs(logprobs: torch.Tensor, num_top: int, chosen: torch.Tensor) 
     )
 
 
+def compute_logprobs(logits: torch.Tensor, num_top: int, chosen: torch.Tensor) -> LogprobsTensors:
+    """`gather_logprobs` of log_softmax(logits): through the C kernel where it applies
+    (float32 CPU rows, up to 64 top logprobs), else torch's ops."""
+    vocab_size = logits.shape[1]
+    logits = logits.to(torch.float32)
+    got = ops.logprobs_rows(logits, vocab_size if num_top < 0 else min(num_top, vocab_size), chosen)
+    if got is not None:
+        return LogprobsTensors(*got)
+    return gather_logprobs(torch.log_softmax(logits, dim=-1), num_top, chosen)
+
+
 def compute_prompt_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
 ) -> LogprobsTensors:
     """Logprobs of prompt tokens: row i of `logits` predicts `target_ids[i]`."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    return gather_logprobs(logprobs, num_top, target_ids)
+    return compute_logprobs(logits, num_top, target_ids)
 
 
 class Sampler:
@@ -64,10 +74,9 @@ class Sampler:
     top-k/top-p sampling. Logprobs come from the raw (unprocessed) model distribution."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # 1. Raw logprobs are taken before any processing (vLLM's "raw_logprobs").
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        # 1. Raw logprobs come from the logits before any processing (vLLM's
+        #    "raw_logprobs"): the caller's, which step 2 leaves untouched.
+        raw = logits
         # 2. Work on a private float32 copy; the caller's logits stay untouched. Plain
         #    greedy rows only read them (a 51 x 49152 copy is ~10 MB of fresh pages).
         logits = logits.to(torch.float32, copy=self.changes_logits(metadata))
@@ -78,8 +87,8 @@ class Sampler:
         sampled = self.sample(logits, metadata)
         # 4. Logprobs of the sampled token and the batch's top-k.
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs or 0, sampled)
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs(raw, metadata.max_num_logprobs or 0, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     __call__ = forward

@@ -15,7 +15,7 @@ from pagellm.kernels import load_kernels
 from pagellm.sample import ops
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.ops import apply_penalties, apply_top_k_top_p
-from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
+from pagellm.sample.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 
 V = 32
 
@@ -458,3 +458,42 @@ def test_penalty_kernel_equals_the_torch_composition(monkeypatch: pytest.MonkeyP
     assert ran_c == [True, False]
     assert not torch.equal(via_c, logits)
     assert torch.equal(via_c, via_torch)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+@pytest.mark.parametrize("width", [1, 7, 1000, 49155])
+def test_logprobs_kernel_equals_log_softmax_topk_and_rank(width: int) -> None:
+    """pg_logprobs_rows gives gather_logprobs(log_softmax(x)): the chosen token's logprob,
+    the k best (best first) and the chosen token's rank, with masked tokens in the row."""
+    from pagellm.sample.sampler import compute_logprobs
+
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, width, generator=gen) * 3
+    if width > 10:
+        logits[:, torch.randperm(width, generator=gen)[: width // 10]] = float("-inf")
+    chosen = torch.stack([torch.randint(0, width, (), generator=gen) for _ in range(4)]
+                         + [logits[4].argmax()])
+    chosen[0] = logits[0].argmax()
+    for k in sorted({0, 1, min(5, width), min(20, width), min(64, width)}):
+        got = ops.logprobs_rows(logits, k, chosen)
+        assert got is not None
+        ref = gather_logprobs(torch.log_softmax(logits, dim=-1), k, chosen)
+        assert torch.equal(got[0], ref.token_ids), k
+        torch.testing.assert_close(got[1], ref.logprobs, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[2], ref.ranks), k
+        via_sampler = compute_logprobs(logits, k, chosen)
+        assert torch.equal(via_sampler.token_ids, ref.token_ids)
+    if width > 64:  # more than 64 (or all, -1) top logprobs: torch's ops
+        assert ops.logprobs_rows(logits, 65, chosen) is None
+        every = compute_logprobs(logits, -1, chosen)
+        assert every.token_ids.shape == (5, 1 + width)
+        assert torch.equal(every.ranks, gather_logprobs(torch.log_softmax(logits, dim=-1), -1, chosen).ranks)
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no C compiler")
+def test_logprobs_kernel_ties_take_the_lower_column_first() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0, 3.0]])
+    ids, values, ranks = ops.logprobs_rows(logits, 4, torch.tensor([2]))
+    assert ids.tolist() == [[2, 1, 3, 5, 2]]
+    assert ranks.tolist() == [4]  # three tokens are more likely than token 2
+    torch.testing.assert_close(values[0], torch.log_softmax(logits, -1)[0][[2, 1, 3, 5, 2]])
