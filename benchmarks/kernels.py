@@ -143,23 +143,21 @@ def sampling_metadata(rows: int, temperature: float = 0.0, top_p: float | None =
 
 
 def sampling(reps: int) -> None:
-    """The whole Sampler, C kernels against the torch composition (forced by making the
-    kernel entry points decline, as they do off CPU)."""
+    """The whole Sampler, C kernels against the torch composition (forced by making
+    `_row_kernels` decline, as it does off CPU)."""
     print(f"{'rows':>5} {'settings':<52} {'torch ms':>9} {'C ms':>7}")
-    c_kernels = sample_ops.sample_rows, sample_ops._penalties_in_c, sample_ops.logprobs_rows
+    row_kernels = sample_ops._row_kernels
     for rows in (1, 32):
         logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(1)) * 4
         for name, settings in SAMPLING.items():
             metadata = sampling_metadata(rows, **settings)
             run = functools.partial(Sampler().forward, logits, metadata)
             c_ms = best_ms(run, reps)
-            sample_ops.sample_rows = lambda *args, **kwargs: None
-            sample_ops._penalties_in_c = lambda *args: False
-            sample_ops.logprobs_rows = lambda *args: None
+            sample_ops._row_kernels = lambda logits: None
             try:
                 torch_ms = best_ms(run, reps)
             finally:
-                sample_ops.sample_rows, sample_ops._penalties_in_c, sample_ops.logprobs_rows = c_kernels
+                sample_ops._row_kernels = row_kernels
             print(f"{rows:>5} {name:<52} {torch_ms:>9.2f} {c_ms:>7.2f}")
 
 

@@ -171,9 +171,10 @@ static float row_max(const float *r, int64_t n) {
     return m;
 }
 
-/* e[i] = exp(r[i] - m), the row's unnormalised probabilities, 0 for -inf and NaN logits
- * (so a masked token can never be drawn); returns their sum. Partial sums in float over
- * 1024 values at a time, added up in double. */
+/* The sum of exp(r[i] - m) over the row, -inf and NaN logits counting 0. With e, each
+ * term is also stored in e[i] (the row's unnormalised probabilities: a masked token gets
+ * exactly 0, so it can never be drawn). Partial sums in float over 1024 values at a
+ * time, added up in double. */
 static double row_exp(const float *r, int64_t n, float m, float *e) {
     double total = 0.0;
     for (int64_t start = 0; start < n; start += 1024) {
@@ -184,38 +185,19 @@ static double row_exp(const float *r, int64_t n, float m, float *e) {
             v8f v;
             memcpy(&v, r + i, sizeof v);
             const v8f p = v8_select(v > -INFINITY, v8_exp(v - m), (v8f){0});
-            memcpy(e + i, &p, sizeof p);
+            if (e != NULL)
+                memcpy(e + i, &p, sizeof p);
             acc += p;
         }
         float part = 0.0f;
         for (int j = 0; j < 8; j++)
             part += acc[j];
         for (; i < end; i++) {
-            e[i] = r[i] > -INFINITY ? expf(r[i] - m) : 0.0f;
-            part += e[i];
+            const float p = r[i] > -INFINITY ? expf(r[i] - m) : 0.0f;
+            if (e != NULL)
+                e[i] = p;
+            part += p;
         }
-        total += part;
-    }
-    return total;
-}
-
-/* The sum of exp(r[i] - m) over the row (row_exp without storing the terms). */
-static double row_sum_exp(const float *r, int64_t n, float m) {
-    double total = 0.0;
-    for (int64_t start = 0; start < n; start += 1024) {
-        const int64_t end = start + 1024 < n ? start + 1024 : n;
-        v8f acc = {0};
-        int64_t i = start;
-        for (; i + 8 <= end; i += 8) {
-            v8f v;
-            memcpy(&v, r + i, sizeof v);
-            acc += v8_select(v > -INFINITY, v8_exp(v - m), (v8f){0});
-        }
-        float part = 0.0f;
-        for (int j = 0; j < 8; j++)
-            part += acc[j];
-        for (; i < end; i++)
-            part += r[i] > -INFINITY ? expf(r[i] - m) : 0.0f;
         total += part;
     }
     return total;
@@ -430,7 +412,7 @@ int pg_logprobs_rows(const float *x, int64_t ldx, int64_t T, int64_t N, int64_t 
     for (int64_t t = 0; t < T; t++) {
         const float *r = x + t * ldx;
         const float m = row_max(r, N);
-        const float lse = m == -INFINITY ? -INFINITY : (float)((double)m + log(row_sum_exp(r, N, m)));
+        const float lse = m == -INFINITY ? -INFINITY : (float)((double)m + log(row_exp(r, N, m, NULL)));
         const int64_t c = chosen[t];
         const float chosen_lp = r[c] - lse;
         /* rank: the values above the chosen one, eight at a time */

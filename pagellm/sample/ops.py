@@ -6,20 +6,31 @@ logits with tokens masked (-inf) or shifted. No knowledge of requests or the sch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 _NEG_INF = float("-inf")
+
+
+def _row_kernels(logits: torch.Tensor) -> Any:
+    """pagellm's C kernels when `logits` are float32 CPU rows with contiguous columns (what
+    kernels/sampling.c takes), else None: the callers then run torch's ops (other devices,
+    dtypes, layouts, or no C compiler)."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.stride(1) != 1 or logits.shape[1] == 0):
+        return None
+    from pagellm.kernels import load_kernels
+
+    return load_kernels()
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) ([B] int64, the first index on ties and the first NaN if a
     row has one), through pagellm's C kernel for float32 CPU rows: torch's reduction
     takes ~5x longer over a large vocabulary."""
-    from pagellm.kernels import load_kernels
-
-    lib = load_kernels() if logits.device.type == "cpu" else None
-    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-            or logits.shape[1] == 0):
+    lib = _row_kernels(logits)
+    if lib is None:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.pg_argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
@@ -108,10 +119,33 @@ def apply_penalties(
 
     Repetition divides positive logits and multiplies negative ones (vLLM/HF semantics);
     presence subtracts a constant once a token appeared; frequency subtracts per count.
+    Float32 CPU rows take pg_apply_penalties (kernels/sampling.c): the same float32
+    operations, touching only the tokens each request has seen instead of ~10 passes over
+    the vocabulary.
     """
     vocab_size = logits.shape[1]
-    if _penalties_in_c(logits, prompt_token_ids, output_token_ids, presence_penalties,
-                       frequency_penalties, repetition_penalties):
+    lib = _row_kernels(logits)
+    if lib is not None:  # only the tokens each request has seen (pg_apply_penalties)
+        rows = logits.shape[0]
+        prompt = None
+        if prompt_token_ids is not None:
+            prompt = prompt_token_ids.to(device="cpu", dtype=torch.int64).contiguous()
+        offsets = torch.zeros(rows + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([len(ids) for ids in output_token_ids]).cumsum(0)
+        flat = torch.tensor([t for ids in output_token_ids for t in ids], dtype=torch.int64)
+        presence, frequency, repetition = (
+            p.to(device="cpu", dtype=torch.float32).contiguous()
+            for p in (presence_penalties, frequency_penalties, repetition_penalties))
+        rc = lib.pg_apply_penalties(
+            logits.data_ptr(), logits.stride(0), rows, vocab_size,
+            prompt.data_ptr() if prompt is not None else None,
+            prompt.stride(0) if prompt is not None else 0,
+            prompt.shape[1] if prompt is not None else 0,
+            flat.data_ptr(), offsets.data_ptr(), presence.data_ptr(), frequency.data_ptr(),
+            repetition.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("penalties: out of memory for the scratch of a logits row")
         return
     outputs = _pad_rows(output_token_ids, vocab_size, logits.device)
     output_counts = _token_counts(outputs, vocab_size)
@@ -126,50 +160,6 @@ def apply_penalties(
     logits.copy_(torch.where(seen_any, penalised, logits))
     logits -= frequency_penalties.to(logits.device).unsqueeze(1) * output_counts
     logits -= presence_penalties.to(logits.device).unsqueeze(1) * seen
-
-
-def _penalties_in_c(
-    logits: torch.Tensor,
-    prompt_token_ids: torch.Tensor | None,
-    output_token_ids: list[list[int]],
-    presence_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    repetition_penalties: torch.Tensor,
-) -> bool:
-    """`apply_penalties` through pg_apply_penalties (kernels/sampling.c) for float32 CPU
-    rows: only the tokens each request has seen are touched. False where it does not
-    apply (the caller then runs the torch composition)."""
-    from pagellm.kernels import load_kernels
-
-    lib = load_kernels() if logits.device.type == "cpu" else None
-    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1):
-        return False
-    rows = logits.shape[0]
-    prompt = None
-    if prompt_token_ids is not None:
-        prompt = prompt_token_ids.to(device="cpu", dtype=torch.int64).contiguous()
-    lengths = [len(ids) for ids in output_token_ids]
-    offsets = torch.zeros(rows + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    flat = torch.tensor([t for ids in output_token_ids for t in ids], dtype=torch.int64)
-
-    def per_row(values: torch.Tensor) -> torch.Tensor:
-        return values.to(device="cpu", dtype=torch.float32).contiguous()
-
-    presence, frequency, repetition = (per_row(presence_penalties), per_row(frequency_penalties),
-                                       per_row(repetition_penalties))
-    rc = lib.pg_apply_penalties(
-        logits.data_ptr(), logits.stride(0), rows, logits.shape[1],
-        prompt.data_ptr() if prompt is not None else None,
-        prompt.stride(0) if prompt is not None else 0,
-        prompt.shape[1] if prompt is not None else 0,
-        flat.data_ptr(), offsets.data_ptr(), presence.data_ptr(), frequency.data_ptr(),
-        repetition.data_ptr(),
-    )
-    if rc != 0:
-        raise MemoryError("penalties: out of memory for the scratch of a logits row")
-    return True
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -237,11 +227,8 @@ def sample_rows(
     are left as garbage. Returns None where the kernel does not apply (no C kernels,
     not float32 CPU rows with contiguous columns): the caller then takes the torch path.
     """
-    from pagellm.kernels import load_kernels
-
-    lib = load_kernels() if logits.device.type == "cpu" else None
-    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1 or logits.shape[1] == 0):
+    lib = _row_kernels(logits)
+    if lib is None:
         return None
     rows = logits.shape[0]
     uniform = (torch.rand(rows, dtype=torch.float64) if len(generators) < rows
@@ -274,11 +261,8 @@ def logprobs_rows(
     two passes over the row instead of a [B, V] log_softmax, a top-k and a comparison.
     None where it does not apply (no C kernels, not float32 CPU rows with contiguous
     columns, or more than 64 top logprobs): the caller then takes torch's ops."""
-    from pagellm.kernels import load_kernels
-
-    lib = load_kernels() if logits.device.type == "cpu" else None
-    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1 or not 0 <= num_top <= min(64, logits.shape[1])):
+    lib = _row_kernels(logits)
+    if lib is None or not 0 <= num_top <= min(64, logits.shape[1]):
         return None
     rows = logits.shape[0]
     chosen = chosen.to(device="cpu", dtype=torch.int64).contiguous()

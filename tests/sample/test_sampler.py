@@ -62,10 +62,10 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
 
 @pytest.fixture(params=["c", "torch"])
 def sampling_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a random-sampling test through the C draw (pg_sample_rows) and through the
-    torch composition it replaces (what runs where the kernel does not apply)."""
+    """Runs a random-sampling test through the C kernels (kernels/sampling.c) and through
+    the torch composition they replace (what runs where they do not apply)."""
     if request.param == "torch":
-        monkeypatch.setattr(ops, "sample_rows", lambda *args, **kwargs: None)
+        monkeypatch.setattr(ops, "_row_kernels", lambda logits: None)
     elif load_kernels() is None:
         pytest.skip("no C compiler: the torch path is the only one")
     return request.param
@@ -447,7 +447,7 @@ def test_penalty_kernel_equals_the_torch_composition(monkeypatch: pytest.MonkeyP
 
     def run(in_c: bool) -> torch.Tensor:
         if not in_c:
-            monkeypatch.setattr(ops, "_penalties_in_c", lambda *args: False)
+            monkeypatch.setattr(ops, "_row_kernels", lambda logits: None)
         out = logits.clone()
         apply_penalties(out, prompt, outputs, presence, frequency, repetition)
         ran_c.append(in_c)
