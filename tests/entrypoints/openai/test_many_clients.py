@@ -62,14 +62,17 @@ def test_128_streams_with_a_third_hanging_up(tiny_model) -> None:
                 # UTF-8 character): its stream may end before this many text chunks.
                 assert chunks < leavers[i], (i, chunks)
         assert len(hung_up) >= 30  # most of the 43 leavers reached their hang-up point
-        # the engine saw every hang-up as an abort, and nothing is left holding KV
+        # the engine saw the hang-ups as aborts, and nothing is left holding KV
         for _ in range(100):
             aborted = srv.metric('pagellm:request_success_total{engine="0",finished_reason="abort"') - aborts_before
             if aborted >= len(hung_up) - 2 and srv.metric("pagellm:num_requests_running") == 0:
                 break
             asyncio.run(asyncio.sleep(0.1))
-        # a hang-up is seen while its request still runs; allow a couple of stragglers
-        assert len(hung_up) - 2 <= aborted <= len(hung_up)
+        # Most hang-ups are seen while their request still runs. On a loaded 2-core machine
+        # the server can notice some only after the request finished (9 of 43 once, in a
+        # CI run where the tiny model managed 66 prompt tokens/s); those count as length.
+        # Every request is still accounted for, and no KV is left, exactly (below).
+        assert len(hung_up) // 2 <= aborted <= len(hung_up)
         assert srv.metric("pagellm:num_requests_running") == 0
         assert srv.metric("pagellm:kv_cache_usage_perc") == 0.0
         finished = srv.metric('pagellm:request_success_total{engine="0",finished_reason="length"')
