@@ -17,7 +17,9 @@ the system's C compiler at first use and cached under
   top-k / top-p, the repetition / frequency / presence penalties, and logprobs
   (sample/ops.py)
 - `decode_step.c`: a decoder stack over a few single-token decodes in one call, made of
-  the kernels above (models/fused_decode.py)
+  the kernels above (models/fused_decode.py), all in one OpenMP region
+- `team.c`: the barrier that region's threads meet at between kernels (team.h: how a
+  kernel is written as a share of a team's work)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
 build fails (logged once); callers then take their torch paths (GGUF files are
@@ -163,6 +165,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_logprobs_rows.restype = ctypes.c_int
     lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.pg_decode_layers.restype = ctypes.c_int
+    lib.pg_team_check.argtypes = [i64, i64]
+    lib.pg_team_check.restype = i64
     lib.pg_f32_blocked_matches.argtypes = [ptr, i64, i64, i64, i64, ptr]
     lib.pg_f32_blocked_matches.restype = ctypes.c_int
     lib.pg_gemm_f32_blocked.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, i64]

@@ -14,28 +14,43 @@
  *
  * On return x holds the last layer's MLP output and res the residual stream, as the
  * module path leaves them for the final norm.
+ *
+ * The whole stack is one OpenMP parallel region: each kernel runs as its part (team.h)
+ * and the team meets at pg_team_sync between kernels, so a step wakes the sleeping
+ * threads once instead of once per kernel. Each thread's share of a kernel is the share
+ * that kernel's own region would give it, so the numbers are the same.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-            const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy);
-void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const float *w,
-                     int64_t T, int64_t N, float eps, float *out, int64_t ldo);
-void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
-             const float *cos_table, const float *sin_table);
-void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
-                     int64_t ldo);
-int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                    const float *k_store, const float *v_store, int64_t NB, int64_t bs,
-                    const int64_t *table, int64_t table_stride, const int64_t *lo,
-                    const int64_t *hi, int64_t max_slots, float scale, float *out);
-void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
-                 int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
-                 const int64_t *slots);
+#include "team.h"
 
-int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
-                        const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy);
+int pg_type_supported(int type);
+int64_t pg_gemm_scratch(int64_t K);
+void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                  const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy, float *wrow,
+                  const pg_team *team);
+void pg_gemm_f32_blocked_part(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
+                              const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy,
+                              const pg_team *team);
+void pg_add_rms_norm_part(float *x, int64_t ldx, const float *res, int64_t ldr,
+                          const float *w, int64_t T, int64_t N, float eps, float *out,
+                          int64_t ldo, const pg_team *team);
+void pg_rope_part(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D,
+                  const int64_t *pos, const float *cos_table, const float *sin_table,
+                  const pg_team *team);
+void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                          int64_t ldo, const pg_team *team);
+int64_t pg_paged_decode_scratch(int64_t max_slots);
+void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, const float *k_store, const float *v_store, int64_t NB,
+                          int64_t bs, const int64_t *table, int64_t table_stride,
+                          const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
+                          float *out, float *scratch, const pg_team *team);
+void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                      int64_t T, int64_t KVH, int64_t D, float *k_store, float *v_store,
+                      int64_t NB, int64_t bs, const int64_t *slots, const pg_team *team);
 
 /* Output rows [row_start, row_start + rows) of a linear: `block` 0, rows of one ggml
  * type (`row_bytes` each); `block` > 0, float32 in column blocks of `block` outputs with
@@ -71,49 +86,102 @@ typedef struct {
     float *act;    /* inter */
 } pg_step;
 
-static int linear(const pg_linear *L, const float *x, int64_t T, float *y) {
+/* 1 when every weight group of L is one the parts take. */
+static int linear_supported(const pg_linear *L) {
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
-        int rc = w->block > 0
-                     ? pg_gemm_f32_blocked((const float *)w->data, w->block, w->k_pad, w->rows,
-                                           L->n_in, x, L->n_in, T, y + w->row_start, L->n_out)
-                     : pg_gemm((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x,
-                               L->n_in, T, y + w->row_start, L->n_out);
-        if (rc) return -1;
+        if (w->block > 0 ? w->block > 64 || w->k_pad < L->n_in : !pg_type_supported((int)w->type))
+            return 0;
     }
-    if (L->bias != NULL)
-        for (int64_t t = 0; t < T; t++)
+    return 1;
+}
+
+/* y = x @ W.T (+ bias) for T rows: this thread's columns of every group, then (after the
+ * team has met) its rows of the bias. */
+static void linear(const pg_linear *L, const float *x, int64_t T, float *y, float *wrow,
+                   const pg_team *team) {
+    for (int64_t g = 0; g < L->n_groups; g++) {
+        const pg_weight_group *w = &L->groups[g];
+        if (w->block > 0)
+            pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
+                                     L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
+        else
+            pg_gemm_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
+                         y + w->row_start, L->n_out, wrow, team);
+    }
+    pg_team_sync(team);
+    if (L->bias != NULL) {
+        int64_t t0, t1;
+        pg_share(T, team, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++)
             for (int64_t n = 0; n < L->n_out; n++) y[t * L->n_out + n] += L->bias[n];
-    return 0;
+        pg_team_sync(team);
+    }
+}
+
+static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
+                          float *res, float *wrow, float *attn_scratch, const pg_team *team) {
+    const int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const pg_layer *L = &layers[l];
+        if (l == 0) {
+            if (team->ith == 0) memcpy(res, x, (size_t)(T * hid) * sizeof(float));
+            pg_team_sync(team);
+        }
+        /* res += x is x += res of the module path: the same sums */
+        pg_add_rms_norm_part(res, hid, l == 0 ? NULL : x, hid, L->norm1, T, hid, s->eps,
+                             s->normed, hid, team);
+        pg_team_sync(team);
+        linear(&L->qkv, s->normed, T, s->qkv, wrow, team);
+        pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
+                     s->sin_table, team);
+        pg_team_sync(team);
+        const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
+        pg_write_kv_part(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store,
+                         s->NB, s->bs, s->slots, team);
+        pg_team_sync(team);
+        pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
+                             s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
+                             s->max_slots, s->scale, s->attn, attn_scratch, team);
+        pg_team_sync(team);
+        linear(&L->o, s->attn, T, x, wrow, team);
+        pg_add_rms_norm_part(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid, team);
+        pg_team_sync(team);
+        linear(&L->gate_up, s->normed, T, s->gate_up, wrow, team);
+        pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
+        pg_team_sync(team);
+        linear(&L->down, s->act, T, x, wrow, team);
+    }
 }
 
 /* Runs `n_layers` layers over x [T, hidden] (in: the embeddings; out: the last MLP
- * output) and res [T, hidden] (out: the residual stream). Returns 0, or -1 when a kernel
- * failed (unsupported type, out of memory). */
+ * output) and res [T, hidden] (out: the residual stream), every kernel a part of one
+ * parallel region. Returns 0, or -1 when a weight has no kernel or memory ran out. */
 int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
                      float *res) {
-    int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
+    int64_t k_max = 1;
     for (int64_t l = 0; l < n_layers; l++) {
-        const pg_layer *L = &layers[l];
-        if (l == 0) memcpy(res, x, (size_t)(T * hid) * sizeof(float));
-        /* res += x is x += res of the module path: the same sums */
-        pg_add_rms_norm(res, hid, l == 0 ? NULL : x, hid, L->norm1, T, hid, s->eps, s->normed,
-                        hid);
-        if (linear(&L->qkv, s->normed, T, s->qkv)) return -1;
-        pg_rope(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
-                s->sin_table);
-        const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
-        pg_write_kv(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store, s->NB,
-                    s->bs, s->slots);
-        if (pg_paged_decode(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
-                            s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
-                            s->max_slots, s->scale, s->attn))
-            return -1;
-        if (linear(&L->o, s->attn, T, x)) return -1;
-        pg_add_rms_norm(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid);
-        if (linear(&L->gate_up, s->normed, T, s->gate_up)) return -1;
-        pg_silu_and_mul(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter);
-        if (linear(&L->down, s->act, T, x)) return -1;
+        const pg_linear *lin[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up,
+                                   &layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            if (!linear_supported(lin[i])) return -1;
+            if (lin[i]->n_in > k_max) k_max = lin[i]->n_in;
+        }
     }
+    /* each thread's row buffer (a multiple of 16 floats) then its attention scores */
+    const int64_t stride = (pg_gemm_scratch(k_max) + pg_paged_decode_scratch(s->max_slots) + 15)
+                           / 16 * 16;
+    float *scratch = (float *)aligned_alloc(
+        64, (size_t)(omp_get_max_threads() * stride) * sizeof(float));
+    if (scratch == NULL) return -1;
+    pg_barrier barrier = {0};
+    barrier.spin_ns = pg_team_spin_ns;
+#pragma omp parallel
+    {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        float *wrow = scratch + team.ith * stride;
+        decode_layers(layers, n_layers, s, x, res, wrow, wrow + pg_gemm_scratch(k_max), &team);
+    }
+    free(scratch);
     return 0;
 }

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "ggml_common.h"
+#include "team.h"
 
 #define NB_MAX 64
 #define TILE_MIN_ROWS 4 /* more rows than this take the L1-chunked tiles (AVX-512, NB 64) */
@@ -212,14 +213,15 @@ int pg_f32_blocked_tiles(int64_t nb) {
 #endif
 }
 
-/* Y[m, n] = sum_k X[m, k] * W[n, k] for W packed as above. Returns 0, or -1 for a block
- * width this file does not take (it takes 1..64). */
-int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
-                        const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (nb <= 0 || nb > NB_MAX || kp < K) return -1;
+/* Y[m, n] = sum_k X[m, k] * W[n, k] for W packed as above: thread ith's share. The block
+ * width must be one pg_gemm_f32_blocked takes. */
+void pg_gemm_f32_blocked_part(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
+                              const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy,
+                              const pg_team *team) {
     const block_fn fn = pick(nb);
+    const int parallel = N * K * M >= 262144;
     const int64_t blocks = (N + nb - 1) / nb;
-    int64_t first = 0; /* the blocks from here on go through fn, four rows at a time */
+    int64_t first = 0, lo, hi; /* the blocks from `first` on go through fn, 4 rows at a time */
 #ifdef PG_X86_DISPATCH
     if (fn == block512 && M > TILE_MIN_ROWS) {
         /* Many rows: full blocks go straight into Y through the L1-chunked tiles; with few
@@ -227,8 +229,8 @@ int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int6
          * block is left to the loop below. */
         const int64_t full = N / 64, halves = full < 16 ? 2 : 1;
         const int64_t mh = (M + halves - 1) / halves;
-#pragma omp parallel for schedule(static) if (N * K * M >= 262144)
-        for (int64_t i = 0; i < full * halves; i++) {
+        pg_share_if(parallel, full * halves, team, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) {
             const int64_t b = i / halves, m0 = (i % halves) * mh;
             const int64_t rows = M - m0 < mh ? M - m0 : mh;
             if (rows > 0)
@@ -237,8 +239,8 @@ int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int6
         first = full;
     }
 #endif
-#pragma omp parallel for schedule(static) if (N * K * M >= 262144 && blocks - first > 1)
-    for (int64_t b = first; b < blocks; b++) {
+    pg_share_if(parallel && blocks - first > 1, blocks - first, team, &lo, &hi);
+    for (int64_t b = first + lo; b < first + hi; b++) {
         float t[4 * NB_MAX];
         const int64_t n0 = b * nb, cols = N - n0 < nb ? N - n0 : nb;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -248,5 +250,14 @@ int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int6
                 memcpy(Y + (m0 + r) * ldy + n0, t + r * NB_MAX, (size_t)cols * sizeof(float));
         }
     }
+}
+
+/* The part in a region of its own. Returns 0, or -1 for a block width this file does not
+ * take (it takes 1..64). */
+int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
+                        const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
+    if (nb <= 0 || nb > NB_MAX || kp < K) return -1;
+    PG_TEAM_RUN(N * K * M >= 262144,
+                pg_gemm_f32_blocked_part(Wp, nb, kp, N, K, X, ldx, M, Y, ldy, &team));
     return 0;
 }

@@ -13,11 +13,13 @@
  * loaded (same soname), so the kernels and torch share one thread pool and one
  * thread count (torch.set_num_threads).
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ggml_common.h"
+#include "team.h"
 
 /* ggml type ids (gguf.GGMLQuantizationType). */
 enum {
@@ -470,66 +472,75 @@ static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, 
 
 /* Y[m, n] = sum_k X[m, k] * W[n, k] for m < M, n < N. Each output row n dequantizes
  * its weight row once into a per-thread buffer and takes the dot product with every
- * row of X (the weight is read once whatever M is). Returns 0, or -1 for a type
- * without a kernel / memory failure. */
+ * row of X (the weight is read once whatever M is). The part does thread ith's output
+ * rows; wrow: pg_gemm_scratch(K) floats, 64-byte aligned. The type must be supported. */
+int64_t pg_gemm_scratch(int64_t K) { return (K + 15) / 16 * 16; }
+
+void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                  const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy, float *wrow,
+                  const pg_team *team) {
+    int64_t n0, n1;
+    /* Below ~PG_PARALLEL_MIN multiply-adds one thread finishes before a team would have
+     * started (and a busy machine makes every team wait for its slowest thread). */
+    pg_share_if(N * K * M >= PG_PARALLEL_MIN, N, team, &n0, &n1);
+    for (int64_t n = n0; n < n1; n++) {
+#ifdef PG_AVX2
+        if (M == 1) { /* one input row: dequantize in registers, no row buffer */
+            const uint8_t *row = W + n * row_bytes;
+            int64_t groups = K / 32;
+            float r;
+            switch (type) {
+                case T_Q4_0: r = dot_q4_0(row, groups, X); break;
+                case T_Q4_1: r = dot_q4_1(row, groups, X); break;
+                case T_Q5_0: r = dot_q5_0(row, groups, X); break;
+                case T_Q5_1: r = dot_q5_1(row, groups, X); break;
+                case T_Q8_0: r = dot_q8_0(row, groups, X); break;
+                case T_Q4_K: r = dot_q4_k(row, groups, X); break;
+                case T_Q5_K: r = dot_q5_k(row, groups, X); break;
+                case T_Q6_K: r = dot_q6_k(row, groups, X); break;
+                default: goto buffered;
+            }
+            Y[n] = r;
+            continue;
+        }
+    buffered:;
+#endif
+        const float *w = wrow;
+        if (type == T_F32) {
+            w = (const float *)(W + n * row_bytes);
+        } else {
+            dequant_row(type, W + n * row_bytes, K, wrow);
+        }
+        int64_t m = 0;
+#ifdef PG_AVX2
+        float r[4];
+        for (; m + 4 <= M; m += 4) {
+            dot4(w, X + m * ldx, ldx, K, r);
+            Y[m * ldy + n] = r[0];
+            Y[(m + 1) * ldy + n] = r[1];
+            Y[(m + 2) * ldy + n] = r[2];
+            Y[(m + 3) * ldy + n] = r[3];
+        }
+#endif
+        for (; m < M; m++) Y[m * ldy + n] = dot1(w, X + m * ldx, K);
+    }
+}
+
+/* pg_gemm_part in a region of its own. Returns 0, or -1 for a type without a kernel /
+ * memory failure. */
 int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
             const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
     if (!pg_type_supported(type)) return -1;
-    int failed = 0;
-    /* Below ~PG_PARALLEL_MIN multiply-adds one thread finishes before a team would have
-     * started (and a busy machine makes every team wait for its slowest thread). */
-#pragma omp parallel if (N * K * M >= PG_PARALLEL_MIN)
-    {
-        float *wrow = (float *)aligned_alloc(64, (size_t)((K + 15) / 16 * 16) * sizeof(float));
+    atomic_int failed = 0;
+    PG_TEAM_RUN(N * K * M >= PG_PARALLEL_MIN, {
+        float *wrow = (float *)aligned_alloc(64, (size_t)pg_gemm_scratch(K) * sizeof(float));
         if (wrow == NULL) {
-#pragma omp atomic write
-            failed = 1;
+            atomic_store(&failed, 1);
         } else {
-#pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) {
-#ifdef PG_AVX2
-                if (M == 1) { /* one input row: dequantize in registers, no row buffer */
-                    const uint8_t *row = W + n * row_bytes;
-                    int64_t groups = K / 32;
-                    float r;
-                    switch (type) {
-                        case T_Q4_0: r = dot_q4_0(row, groups, X); break;
-                        case T_Q4_1: r = dot_q4_1(row, groups, X); break;
-                        case T_Q5_0: r = dot_q5_0(row, groups, X); break;
-                        case T_Q5_1: r = dot_q5_1(row, groups, X); break;
-                        case T_Q8_0: r = dot_q8_0(row, groups, X); break;
-                        case T_Q4_K: r = dot_q4_k(row, groups, X); break;
-                        case T_Q5_K: r = dot_q5_k(row, groups, X); break;
-                        case T_Q6_K: r = dot_q6_k(row, groups, X); break;
-                        default: goto buffered;
-                    }
-                    Y[n] = r;
-                    continue;
-                }
-            buffered:;
-#endif
-                const float *w = wrow;
-                if (type == T_F32) {
-                    w = (const float *)(W + n * row_bytes);
-                } else {
-                    dequant_row(type, W + n * row_bytes, K, wrow);
-                }
-                int64_t m = 0;
-#ifdef PG_AVX2
-                float r[4];
-                for (; m + 4 <= M; m += 4) {
-                    dot4(w, X + m * ldx, ldx, K, r);
-                    Y[m * ldy + n] = r[0];
-                    Y[(m + 1) * ldy + n] = r[1];
-                    Y[(m + 2) * ldy + n] = r[2];
-                    Y[(m + 3) * ldy + n] = r[3];
-                }
-#endif
-                for (; m < M; m++) Y[m * ldy + n] = dot1(w, X + m * ldx, K);
-            }
+            pg_gemm_part(type, W, row_bytes, N, K, X, ldx, M, Y, ldy, wrow, &team);
             free(wrow);
         }
-    }
+    });
     return failed ? -1 : 0;
 }
 

@@ -7,13 +7,15 @@
  * SSE2 without), and GCC/clang vector types (vec8.h) for the exponential: no intrinsics,
  * no libm calls in inner loops. Rows are
  * `ld*` floats apart, elements of a row contiguous. Rows are split across threads only
- * when there are enough of them to pay for waking a team.
+ * when there are enough of them to pay for waking a team. Each op is also a part
+ * (team.h) that decode_step.c runs inside its one region.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #define PG_ROWS_PARALLEL_MIN 65536 /* elements below which one thread does all rows */
@@ -32,10 +34,12 @@ static inline float sum_squares(const float *x, int64_t n) {
 /* For each of T rows of width N: when `res` is given, x += res (in place: x becomes the
  * new residual stream); then out = x * rsqrt(mean(x^2) + eps) * w. The same products as
  * Hugging Face's LlamaRMSNorm in float32; only the order of the squares' sum differs. */
-void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const float *w,
-                     int64_t T, int64_t N, float eps, float *out, int64_t ldo) {
-#pragma omp parallel for schedule(static) if (T * N >= PG_ROWS_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
+void pg_add_rms_norm_part(float *x, int64_t ldx, const float *res, int64_t ldr,
+                          const float *w, int64_t T, int64_t N, float eps, float *out,
+                          int64_t ldo, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * N >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
         float *xr = x + t * ldx, *o = out + t * ldo;
         if (res != NULL) {
             const float *r = res + t * ldr;
@@ -46,6 +50,12 @@ void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const
     }
 }
 
+void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const float *w,
+                     int64_t T, int64_t N, float eps, float *out, int64_t ldo) {
+    PG_TEAM_RUN(T * N >= PG_ROWS_PARALLEL_MIN,
+                pg_add_rms_norm_part(x, ldx, res, ldr, w, T, N, eps, out, ldo, &team));
+}
+
 /* Rotary embedding ("rotate half", NeoX/Hugging Face layout) of `heads` heads of D values
  * per row, in place. Row t holds its heads D apart from x + t * ldx (q heads then k heads
  * of a fused qkv output) and sits at position pos[t]; cos/sin are the tables of
@@ -53,11 +63,12 @@ void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const
  *     x[i]       <- x[i] * cos[i]             + x[i + D/2] * sin[i]
  *     x[i + D/2] <- x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]
  * which is x * cos + roll(x, D/2) * sin, product for product. */
-void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
-             const float *cos_table, const float *sin_table) {
-    int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (T * heads * D >= PG_ROWS_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
+void pg_rope_part(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D,
+                  const int64_t *pos, const float *cos_table, const float *sin_table,
+                  const pg_team *team) {
+    int64_t half = D / 2, t0, t1;
+    pg_share_if(T * heads * D >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
         const float *c = cos_table + pos[t] * D, *s = sin_table + pos[t] * D;
         for (int64_t h = 0; h < heads; h++) {
             float *a = x + t * ldx + h * D, *b = a + half;
@@ -68,6 +79,12 @@ void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const i
             }
         }
     }
+}
+
+void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const int64_t *pos,
+             const float *cos_table, const float *sin_table) {
+    PG_TEAM_RUN(T * heads * D >= PG_ROWS_PARALLEL_MIN,
+                pg_rope_part(x, ldx, T, heads, D, pos, cos_table, sin_table, &team));
 }
 
 /* o[i] = silu(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
@@ -92,10 +109,15 @@ static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
 
 /* out[t, i] = silu(x[t, i]) * x[t, I + i] for i < I: the gate and up halves of a fused
  * gate_up output, silu(g) = g / (1 + e^-g). */
+void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                          int64_t ldo, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) silu_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I);
+}
+
 void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
                      int64_t ldo) {
-#pragma omp parallel for schedule(static) if (T * I >= PG_ROWS_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        silu_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I);
-    }
+    PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
+                pg_silu_and_mul_part(x, ldx, T, I, out, ldo, &team));
 }

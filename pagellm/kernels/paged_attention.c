@@ -18,11 +18,13 @@
  * a request's result does not depend on the other requests in the step.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ggml_common.h"
+#include "team.h"
 
 #ifdef PG_AVX2
 /* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after reducing x to
@@ -132,10 +134,13 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
 }
 
-static int decode_avx2(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                       const float *k_store, const float *v_store, int64_t NB,
-                       const int64_t *table, int64_t table_stride, const int64_t *lo,
-                       const int64_t *hi, int64_t max_slots, float scale, float *out) {
+/* Tasks: (request, KV head, run of up to 4 of its query heads); sc: 4 * (max_slots + 32)
+ * floats. */
+static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
+                             int64_t D, const float *k_store, const float *v_store, int64_t NB,
+                             const int64_t *table, int64_t table_stride, const int64_t *lo,
+                             const int64_t *hi, int64_t max_slots, float scale, float *out,
+                             float *sc, const pg_team *team) {
     const int64_t group = H / KVH;
     /* runs of up to 4 heads share their K/V loads; single heads when that would leave
      * too few tasks for the threads (one long request) */
@@ -143,100 +148,117 @@ static int decode_avx2(const float *q, int64_t ldq, int64_t B, int64_t H, int64_
     if (B * KVH * ((group + run - 1) / run) < 8) run = 1;
     const int64_t runs = (group + run - 1) / run, tasks = B * KVH * runs;
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
-    int failed = 0;
-#pragma omp parallel if (B * H * max_slots * D >= 32768)
-    {
-        float *sc = (float *)malloc((size_t)(4 * stride) * sizeof(float));
-        if (sc == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tasks; t++) {
-                const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
-                const int64_t h0 = kvh * group + t % runs * run;
-                const int64_t left = kvh * group + group - h0;
-                const int G = (int)(left < run ? left : run);
-                const int64_t *row = table + b * table_stride;
-#define HEADS(n)                                                                                case n:                                                                                         decode_heads(n, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],                          scale, sc, stride, out, H);                                                    break;
-                switch (G) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
+    int64_t t0, t1;
+    pg_share_if(B * H * max_slots * D >= 32768, tasks, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
+        const int64_t h0 = kvh * group + t % runs * run;
+        const int64_t left = kvh * group + group - h0;
+        const int G = (int)(left < run ? left : run);
+        const int64_t *row = table + b * table_stride;
+#define HEADS(n)                                                                            \
+    case n:                                                                                 \
+        decode_heads(n, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],      \
+                     scale, sc, stride, out, H);                                            \
+        break;
+        switch (G) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
 #undef HEADS
-            }
-            free(sc);
-        }
     }
-    return failed ? -1 : 0;
 }
 #endif
+
+/* Tasks: (request, query head); scores: max_slots floats. */
+static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t H,
+                                 int64_t KVH, int64_t D, const float *k_store,
+                                 const float *v_store, int64_t NB, int64_t bs,
+                                 const int64_t *table, int64_t table_stride, const int64_t *lo,
+                                 const int64_t *hi, int64_t max_slots, float scale, float *out,
+                                 float *scores, const pg_team *team) {
+    int64_t group = H / KVH, t0, t1;
+    pg_share_if(B * H * max_slots * D >= 32768, B * H, team, &t0, &t1);
+    for (int64_t task = t0; task < t1; task++) {
+        int64_t b = task / H, h = task % H, kvh = h / group;
+        const float *qh = q + b * ldq + h * D;
+        const int64_t *row = table + b * table_stride;
+        float *o = out + (b * H + h) * D;
+        int64_t first = lo[b], last = hi[b];
+        float best = -INFINITY;
+        for (int64_t i = first; i < last;) {
+            int64_t blk = row[i / bs], s0 = i % bs;
+            int64_t s1 = (last - (i - s0) < bs) ? last - (i - s0) : bs;
+            const float *kb = k_store + ((kvh * NB + blk) * D) * bs;
+            float *sc = scores + (i - first) - s0;
+            for (int64_t s = s0; s < s1; s++) sc[s] = 0.0f;
+            for (int64_t d = 0; d < D; d++) {
+                float qd = qh[d] * scale;
+                const float *kd = kb + d * bs;
+                for (int64_t s = s0; s < s1; s++) sc[s] += qd * kd[s];
+            }
+            for (int64_t s = s0; s < s1; s++) best = sc[s] > best ? sc[s] : best;
+            i += s1 - s0;
+        }
+        int64_t n = last - first;
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            scores[j] = expf(scores[j] - best);
+            total += scores[j];
+        }
+        float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t i = first; i < last; i++) {
+            int64_t blk = row[i / bs], s = i % bs;
+            const float *vr = v_store + ((kvh * NB + blk) * bs + s) * D;
+            float p = scores[i - first] * inv;
+            for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
+        }
+    }
+}
+
+/* Floats of scratch one thread of pg_paged_decode_part needs. */
+int64_t pg_paged_decode_scratch(int64_t max_slots) { return 4 * (max_slots + 32); }
+
+void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
+                          int64_t D, const float *k_store, const float *v_store, int64_t NB,
+                          int64_t bs, const int64_t *table, int64_t table_stride,
+                          const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
+                          float *out, float *scratch, const pg_team *team) {
+#ifdef PG_AVX2
+    if (bs == 16 && D % 32 == 0 && D <= 256) {
+        decode_avx2_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, table, table_stride, lo,
+                         hi, max_slots, scale, out, scratch, team);
+        return;
+    }
+#endif
+    decode_portable_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table, table_stride,
+                         lo, hi, max_slots, scale, out, scratch, team);
+}
 
 int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
                     const float *k_store, const float *v_store, int64_t NB, int64_t bs,
                     const int64_t *table, int64_t table_stride, const int64_t *lo,
                     const int64_t *hi, int64_t max_slots, float scale, float *out) {
-#ifdef PG_AVX2
-    if (bs == 16 && D % 32 == 0 && D <= 256)
-        return decode_avx2(q, ldq, B, H, KVH, D, k_store, v_store, NB, table, table_stride, lo,
-                           hi, max_slots, scale, out);
-#endif
-    int64_t group = H / KVH;
-    int failed = 0;
-#pragma omp parallel if (B * H * max_slots * D >= 32768)
-    {
-        float *scores = (float *)malloc((size_t)(max_slots > 0 ? max_slots : 1) * sizeof(float));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
+    atomic_int failed = 0;
+    PG_TEAM_RUN(B * H * max_slots * D >= 32768, {
+        float *scratch = malloc((size_t)pg_paged_decode_scratch(max_slots) * sizeof(float));
+        if (scratch == NULL) {
+            atomic_store(&failed, 1);
         } else {
-#pragma omp for schedule(static)
-            for (int64_t task = 0; task < B * H; task++) {
-                int64_t b = task / H, h = task % H, kvh = h / group;
-                const float *qh = q + b * ldq + h * D;
-                const int64_t *row = table + b * table_stride;
-                float *o = out + (b * H + h) * D;
-                int64_t first = lo[b], last = hi[b];
-                float best = -INFINITY;
-                for (int64_t i = first; i < last;) {
-                    int64_t blk = row[i / bs], s0 = i % bs;
-                    int64_t s1 = (last - (i - s0) < bs) ? last - (i - s0) : bs;
-                    const float *kb = k_store + ((kvh * NB + blk) * D) * bs;
-                    float *sc = scores + (i - first) - s0;
-                    for (int64_t s = s0; s < s1; s++) sc[s] = 0.0f;
-                    for (int64_t d = 0; d < D; d++) {
-                        float qd = qh[d] * scale;
-                        const float *kd = kb + d * bs;
-                        for (int64_t s = s0; s < s1; s++) sc[s] += qd * kd[s];
-                    }
-                    for (int64_t s = s0; s < s1; s++) best = sc[s] > best ? sc[s] : best;
-                    i += s1 - s0;
-                }
-                int64_t n = last - first;
-                float total = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
-                    scores[j] = expf(scores[j] - best);
-                    total += scores[j];
-                }
-                float inv = 1.0f / total;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t i = first; i < last; i++) {
-                    int64_t blk = row[i / bs], s = i % bs;
-                    const float *vr = v_store + ((kvh * NB + blk) * bs + s) * D;
-                    float p = scores[i - first] * inv;
-                    for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
-                }
-            }
-            free(scores);
+            pg_paged_decode_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table,
+                                 table_stride, lo, hi, max_slots, scale, out, scratch, &team);
+            free(scratch);
         }
-    }
+    });
     return failed ? -1 : 0;
 }
 
 /* Key and value rows of T tokens ([T, KVH, D], rows ldk / ldv elements apart, heads D
  * apart) into their cache slots (slot = block * bs + offset). */
-void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
-                 int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
-                 const int64_t *slots) {
-#pragma omp parallel for schedule(static) if (T * KVH * D >= 65536)
-    for (int64_t t = 0; t < T; t++) {
+void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                      int64_t T, int64_t KVH, int64_t D, float *k_store, float *v_store,
+                      int64_t NB, int64_t bs, const int64_t *slots, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * KVH * D >= 65536, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
         int64_t blk = slots[t] / bs, off = slots[t] % bs;
         for (int64_t h = 0; h < KVH; h++) {
             const float *kr = key + t * ldk + h * D, *vr = value + t * ldv + h * D;
@@ -248,4 +270,11 @@ void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
             }
         }
     }
+}
+
+void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
+                 int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
+                 const int64_t *slots) {
+    PG_TEAM_RUN(T * KVH * D >= 65536, pg_write_kv_part(key, ldk, value, ldv, T, KVH, D, k_store,
+                                                       v_store, NB, bs, slots, &team));
 }

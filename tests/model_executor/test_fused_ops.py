@@ -233,3 +233,52 @@ def test_fused_decode_stack_on_float32_weights(
     for fused, modules, eager in zip(logits["fused"], logits["modules"], logits["torch"]):
         assert torch.equal(fused, modules)
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("weights", ["q4_k_m", "float32"])
+def test_fused_decode_stack_splits_every_kernel(
+    tmp_path: Any, tiny_model: Callable[..., str], weights: str
+) -> None:
+    """At shapes where the one-region stack splits each kernel's work across the team
+    (6 rows, contexts of 40-60 tokens in 16-slot blocks, 256 / 768 wide): its logits equal
+    the module path's, whose kernels each run in a region of their own, bit for bit."""
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    if load_kernels() is None:
+        pytest.skip("no C compiler")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing is split")
+    if weights == "q4_k_m":
+        path = str(tmp_path / "tiny-q4_k_m.gguf")
+        write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=2)
+        mc = make_model_config(path, quantization="gguf")
+    else:
+        mc = make_model_config(tiny_model(
+            "llama", hidden_size=256, intermediate_size=768, num_attention_heads=4,
+            num_key_value_heads=2, num_hidden_layers=2))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    names = [f"s{i}" for i in range(6)]
+    logits = {}
+    for name in ("fused", "modules"):
+        runner = PagedRunner(model, mc, block_size=16)
+        for i, seq in enumerate(names):
+            runner.add(seq, [(j * (31 + 2 * i) + 3 * i) % 500 + 1 for j in range(40 + 4 * i)])
+        runner.step([(seq, 38 + 4 * i) for i, seq in enumerate(names)])
+        stack = model.model.fused_decode
+        assert stack is not None
+        if name == "modules":
+            model.model.fused_decode = None
+        logits[name] = [runner.step([(seq, 1) for seq in names]) for _ in range(2)]
+        model.model.fused_decode = stack
+    for fused, modules in zip(logits["fused"], logits["modules"]):
+        assert torch.equal(fused, modules)
+
+
+@pytest.mark.parametrize("spin_ns", [0, 100_000], ids=["sleeping", "spinning"])
+def test_team_barrier_holds(spin_ns: int) -> None:
+    """pg_team_sync: in 20000 rounds no thread reads a slot before every thread has
+    written it, whether early threads sleep at once or spin first."""
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("no C compiler")
+    assert lib.pg_team_check(20000, spin_ns) == 0

@@ -1,0 +1,70 @@
+/* One OpenMP team through many kernels: a kernel's work is written once as a "part"
+ * that does thread ith's share of nth; the kernel's own entry runs its part in a parallel
+ * region of its own, and decode_step.c runs every kernel of a decode step as parts inside
+ * one region, with pg_team_sync between them.
+ *
+ * Why: a decode step is hundreds of small kernels. Each region of its own wakes the
+ * team's sleeping threads (OMP_WAIT_POLICY=PASSIVE, pagellm's default) and waits for them
+ * to sleep again: a futex round trip per kernel, which on a shared VM costs tens of
+ * microseconds. Inside one region the threads are all awake, and pg_team_sync spins
+ * briefly (the other thread is usually microseconds behind) before it sleeps on a futex
+ * itself, so a descheduled partner costs a bounded spin, not a spinning core. Between
+ * steps the team sleeps in OpenMP's passive wait as before.
+ */
+#ifndef PAGELLM_TEAM_H
+#define PAGELLM_TEAM_H
+
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+/* A barrier for one region's team: counters zeroed, and how long an early thread spins
+ * before it sleeps. */
+typedef struct {
+    atomic_int arrived, generation, sleepers;
+    int64_t spin_ns;
+} pg_barrier;
+
+/* The spin decode_step.c gives its barrier (team.c; settable for experiments). */
+extern int64_t pg_team_spin_ns;
+
+typedef struct {
+    int ith, nth;
+    pg_barrier *barrier; /* NULL outside a shared region (a kernel's own region) */
+} pg_team;
+
+/* [*lo, *hi): thread ith's contiguous share of n items (the first n % nth threads take
+ * one more), as OpenMP's schedule(static) splits a loop. */
+static inline void pg_share(int64_t n, const pg_team *team, int64_t *lo, int64_t *hi) {
+    const int64_t q = n / team->nth, r = n % team->nth, i = team->ith;
+    *lo = i * q + (i < r ? i : r);
+    *hi = *lo + q + (i < r);
+}
+
+/* The share when the work is worth splitting (`parallel`), else all of it for thread 0:
+ * what a kernel's `if` clause decides for its own region. */
+static inline void pg_share_if(int parallel, int64_t n, const pg_team *team, int64_t *lo,
+                               int64_t *hi) {
+    if (parallel || team->nth == 1) {
+        pg_share(n, team, lo, hi);
+    } else {
+        *lo = 0;
+        *hi = team->ith == 0 ? n : 0;
+    }
+}
+
+/* Every thread of the team waits here until all have arrived (a no-op for one thread). */
+void pg_team_sync(const pg_team *team);
+
+/* Runs the statement given (which may use `team`) in a region of its own when `parallel`, else on the
+ * calling thread alone. */
+#define PG_TEAM_RUN(parallel, ...)                                                         \
+    do {                                                                                   \
+        const int pg_par_ = (parallel);                                                    \
+        _Pragma("omp parallel if (pg_par_)") {                                             \
+            pg_team team = {omp_get_thread_num(), omp_get_num_threads(), NULL};            \
+            __VA_ARGS__;                                                                   \
+        }                                                                                  \
+    } while (0)
+
+#endif
