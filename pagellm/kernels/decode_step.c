@@ -3,7 +3,8 @@
  * at a time (layers/fused_decode.py builds the descriptions and says when it applies):
  *
  *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
- *   qkv = normed @ Wqkv.T (+ b)            pg_gemm (or pg_gemm_f32_blocked) per group
+ *   qkv = normed @ Wqkv.T (+ b)            per group: pg_gemm (up to direct_rows rows) or
+ *                                          pg_gemm_batched, or pg_gemm_f32_blocked
  *   rotate q|k heads of qkv in place                                      pg_rope
  *   k, v heads -> this layer's paged cache                                pg_write_kv
  *   attn = decode attention of the q heads over the cache                 pg_paged_decode
@@ -34,6 +35,11 @@ void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int6
 void pg_gemm_f32_blocked_part(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
                               const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy,
                               const pg_team *team);
+int64_t pg_gemm_batched_xp(int64_t K, int64_t M);
+int64_t pg_gemm_batched_wbuf(int64_t K);
+void pg_gemm_batched_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                          const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy,
+                          float *xp, float *wbuf, const pg_team *team);
 void pg_add_rms_norm_part(float *x, int64_t ldx, const float *res, int64_t ldr,
                           const float *w, int64_t T, int64_t N, float eps, float *out,
                           int64_t ldo, const pg_team *team);
@@ -76,6 +82,7 @@ typedef struct {
 /* What every layer shares in one step. Scratch rows are T x the width named. */
 typedef struct {
     int64_t T, hidden, H, KVH, D, inter, NB, bs, table_stride, max_slots;
+    int64_t direct_rows; /* GGUF products take pg_gemm up to this many rows, else pg_gemm_batched */
     float eps, scale;
     const int64_t *positions, *slots, *table, *lo, *hi;
     const float *cos_table, *sin_table;
@@ -96,18 +103,29 @@ static int linear_supported(const pg_linear *L) {
     return 1;
 }
 
-/* y = x @ W.T (+ bias) for T rows: this thread's columns of every group, then (after the
- * team has met) its rows of the bias. */
-static void linear(const pg_linear *L, const float *x, int64_t T, float *y, float *wrow,
-                   const pg_team *team) {
+/* Each thread's buffers: weight rows (`wrow`), attention scores; and the team's packed
+ * rows of x (`xp`, for pg_gemm_batched). */
+typedef struct {
+    float *wrow, *scores, *xp;
+} scratch;
+
+/* y = x @ W.T (+ bias) for T rows, with the kernel the module path picks for T rows:
+ * this thread's columns of every group, then (after the team has met) its rows of the
+ * bias. */
+static void linear(const pg_linear *L, const float *x, int64_t T, float *y, int64_t direct_rows,
+                   const scratch *sc, const pg_team *team) {
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
         if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
-        else
+        else if (T <= direct_rows)
             pg_gemm_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
-                         y + w->row_start, L->n_out, wrow, team);
+                         y + w->row_start, L->n_out, sc->wrow, team);
+        else
+            pg_gemm_batched_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x,
+                                 L->n_in, T, y + w->row_start, L->n_out, sc->xp, sc->wrow,
+                                 team);
     }
     pg_team_sync(team);
     if (L->bias != NULL) {
@@ -120,7 +138,8 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, floa
 }
 
 static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
-                          float *res, float *wrow, float *attn_scratch, const pg_team *team) {
+                          float *res, const scratch *sc, const pg_team *team) {
+    const int64_t dr = s->direct_rows;
     const int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
     for (int64_t l = 0; l < n_layers; l++) {
         const pg_layer *L = &layers[l];
@@ -132,7 +151,7 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
         pg_add_rms_norm_part(res, hid, l == 0 ? NULL : x, hid, L->norm1, T, hid, s->eps,
                              s->normed, hid, team);
         pg_team_sync(team);
-        linear(&L->qkv, s->normed, T, s->qkv, wrow, team);
+        linear(&L->qkv, s->normed, T, s->qkv, dr, sc, team);
         pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
                      s->sin_table, team);
         pg_team_sync(team);
@@ -142,15 +161,15 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
         pg_team_sync(team);
         pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
                              s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
-                             s->max_slots, s->scale, s->attn, attn_scratch, team);
+                             s->max_slots, s->scale, s->attn, sc->scores, team);
         pg_team_sync(team);
-        linear(&L->o, s->attn, T, x, wrow, team);
+        linear(&L->o, s->attn, T, x, dr, sc, team);
         pg_add_rms_norm_part(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid, team);
         pg_team_sync(team);
-        linear(&L->gate_up, s->normed, T, s->gate_up, wrow, team);
+        linear(&L->gate_up, s->normed, T, s->gate_up, dr, sc, team);
         pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
         pg_team_sync(team);
-        linear(&L->down, s->act, T, x, wrow, team);
+        linear(&L->down, s->act, T, x, dr, sc, team);
     }
 }
 
@@ -159,29 +178,36 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
  * parallel region. Returns 0, or -1 when a weight has no kernel or memory ran out. */
 int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
                      float *res) {
-    int64_t k_max = 1;
+    int64_t k_max = 1, xp_floats = 0;
     for (int64_t l = 0; l < n_layers; l++) {
         const pg_linear *lin[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up,
                                    &layers[l].down};
         for (int i = 0; i < 4; i++) {
             if (!linear_supported(lin[i])) return -1;
             if (lin[i]->n_in > k_max) k_max = lin[i]->n_in;
+            if (s->T > s->direct_rows) {
+                const int64_t xp = pg_gemm_batched_xp(lin[i]->n_in, s->T);
+                if (xp > xp_floats) xp_floats = xp;
+            }
         }
     }
-    /* each thread's row buffer (a multiple of 16 floats) then its attention scores */
-    const int64_t stride = (pg_gemm_scratch(k_max) + pg_paged_decode_scratch(s->max_slots) + 15)
-                           / 16 * 16;
-    float *scratch = (float *)aligned_alloc(
-        64, (size_t)(omp_get_max_threads() * stride) * sizeof(float));
-    if (scratch == NULL) return -1;
+    /* per thread: weight rows, then attention scores (each a multiple of 16 floats) */
+    int64_t wrow = pg_gemm_scratch(k_max), batched = pg_gemm_batched_wbuf(k_max);
+    wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
+    const int64_t scores = (pg_paged_decode_scratch(s->max_slots) + 15) / 16 * 16;
+    const int64_t threads = omp_get_max_threads();
+    float *buf = (float *)aligned_alloc(
+        64, (size_t)(threads * (wrow + scores) + (xp_floats + 15) / 16 * 16) * sizeof(float));
+    if (buf == NULL) return -1;
     pg_barrier barrier = {0};
     barrier.spin_ns = pg_team_spin_ns;
 #pragma omp parallel
     {
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
-        float *wrow = scratch + team.ith * stride;
-        decode_layers(layers, n_layers, s, x, res, wrow, wrow + pg_gemm_scratch(k_max), &team);
+        float *mine = buf + team.ith * (wrow + scores);
+        const scratch sc = {mine, mine + wrow, buf + threads * (wrow + scores)};
+        decode_layers(layers, n_layers, s, x, res, &sc, &team);
     }
-    free(scratch);
+    free(buf);
     return 0;
 }

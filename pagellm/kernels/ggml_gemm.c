@@ -19,11 +19,13 @@
  * The AVX-512 and AVX2 kernels are chosen at run time (target attributes), so the library
  * needs no global -mavx512f; the portable build (PG_NO_SIMD) runs plain C loops.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ggml_common.h"
+#include "team.h"
 
 void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out);
 int pg_type_supported(int type);
@@ -120,12 +122,11 @@ static kernel pick_kernel(void) {
     return (kernel){4, 8, tile_c, NULL};
 }
 
-/* Xp panels for rows [m0, m0 + rows) of X (see the header), zero-padded to whole panels. */
+/* Xp panels [p0, p1) for rows [m0, m0 + rows) of X (see the header), zero-padded to whole
+ * panels. */
 static void pack_x(const float *X, int64_t ldx, int64_t m0, int64_t rows, int64_t K, int mr,
-                   float *xp) {
-    int64_t panels = (rows + mr - 1) / mr;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
+                   int64_t p0, int64_t p1, float *xp) {
+    for (int64_t p = p0; p < p1; p++) {
         float *dst = xp + p * K * mr;
         int64_t n = rows - p * mr < mr ? rows - p * mr : mr;
         if (n < mr) memset(dst, 0, (size_t)(K * mr) * sizeof(float));
@@ -136,63 +137,87 @@ static void pack_x(const float *X, int64_t ldx, int64_t m0, int64_t rows, int64_
     }
 }
 
+/* Rows of X packed per chunk for K and M (a whole number of panels). */
+static int64_t chunk_rows(const kernel *kn, int64_t K, int64_t M) {
+    int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / kn->mr * kn->mr;
+    if (chunk < kn->mr) chunk = kn->mr;
+    if (chunk > M) chunk = (M + kn->mr - 1) / kn->mr * kn->mr;
+    return chunk;
+}
+
+/* Floats of the team's shared packed-X buffer, and of each thread's weight rows. */
+int64_t pg_gemm_batched_xp(int64_t K, int64_t M) {
+    const kernel kn = pick_kernel();
+    return chunk_rows(&kn, K, M) * K;
+}
+
+int64_t pg_gemm_batched_wbuf(int64_t K) { return (int64_t)NR_MAX * K; }
+
+/* Thread ith's share: the team packs each chunk of X into xp, meets, multiplies its
+ * weight-row blocks against it, and meets again before the next chunk is packed. */
+void pg_gemm_batched_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                          const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy,
+                          float *xp, float *wbuf, const pg_team *team) {
+    const kernel kn = pick_kernel();
+    const int nr = kn.nr, mr = kn.mr;
+    const int64_t chunk = chunk_rows(&kn, K, M), blocks = (N + nr - 1) / nr;
+    const int parallel = N * K * M >= 262144;
+    float t[NR_MAX * MR_MAX];
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+        int64_t lo, hi;
+        pg_share_if(parallel, (rows + mr - 1) / mr, team, &lo, &hi);
+        pack_x(X, ldx, m0, rows, K, mr, lo, hi, xp);
+        pg_team_sync(team);
+        pg_share_if(parallel, blocks, team, &lo, &hi);
+        for (int64_t b = lo; b < hi; b++) {
+            const int64_t n0 = b * nr;
+            const int valid = N - n0 < nr ? (int)(N - n0) : nr;
+            const float *w[NR_MAX];
+            for (int r = 0; r < nr; r++) {
+                float *row = wbuf + (int64_t)r * K;
+                if (r >= valid) {
+                    memset(row, 0, (size_t)K * sizeof(float));
+                    w[r] = row;
+                } else if (type == 0) {
+                    w[r] = (const float *)(W + (n0 + r) * row_bytes);
+                } else {
+                    pg_dequant_row(type, W + (n0 + r) * row_bytes, K, row);
+                    w[r] = row;
+                }
+            }
+            for (int64_t i0 = 0; i0 < rows; i0 += mr) {
+                const int64_t left = rows - i0;
+                const int half = kn.half != NULL && left <= mr / 2;
+                (half ? kn.half : kn.full)(w, K, xp + i0 * K, t);
+                const int64_t take = left < mr ? left : mr;
+                for (int64_t i = 0; i < take; i++) {
+                    float *y = Y + (m0 + i0 + i) * ldy + n0;
+                    for (int r = 0; r < valid; r++) y[r] = t[r * mr + i];
+                }
+            }
+        }
+        pg_team_sync(team); /* xp is repacked for the next chunk (or the next product) */
+    }
+}
+
 int pg_gemm_batched(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                     const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
     if (!pg_type_supported(type)) return -1;
-    const kernel kn = pick_kernel();
-    const int nr = kn.nr, mr = kn.mr;
-    int64_t chunk = CHUNK_BYTES / (K * (int64_t)sizeof(float)) / mr * mr;
-    if (chunk < mr) chunk = mr;
-    if (chunk > M) chunk = (M + mr - 1) / mr * mr;
-    float *xp = (float *)aligned_alloc(64, (size_t)(chunk * K) * sizeof(float));
+    float *xp = (float *)aligned_alloc(64, (size_t)pg_gemm_batched_xp(K, M) * sizeof(float));
     if (xp == NULL) return -1;
-    const int64_t blocks = (N + nr - 1) / nr;
-    int failed = 0;
-#pragma omp parallel if (N * K * M >= 262144)
-    {
-        /* wbuf: this thread's dequantized weight rows (f32 weights are read in place). */
-        float *wbuf = (float *)aligned_alloc(64, (size_t)(nr * K) * sizeof(float));
-        float t[NR_MAX * MR_MAX];
-        if (wbuf == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            int64_t rows = M - m0 < chunk ? M - m0 : chunk;
-            pack_x(X, ldx, m0, rows, K, mr, xp); /* ends with the team's barrier */
-            /* every thread meets the worksharing loop (OpenMP requires it), even one
-             * without a buffer */
-#pragma omp for schedule(static) nowait
-            for (int64_t b = 0; b < blocks; b++) {
-                if (wbuf == NULL) continue;
-                const int64_t n0 = b * nr;
-                const int valid = N - n0 < nr ? (int)(N - n0) : nr;
-                const float *w[NR_MAX];
-                for (int r = 0; r < nr; r++) {
-                    float *row = wbuf + (int64_t)r * K;
-                    if (r >= valid) {
-                        memset(row, 0, (size_t)K * sizeof(float));
-                        w[r] = row;
-                    } else if (type == 0) {
-                        w[r] = (const float *)(W + (n0 + r) * row_bytes);
-                    } else {
-                        pg_dequant_row(type, W + (n0 + r) * row_bytes, K, row);
-                        w[r] = row;
-                    }
-                }
-                for (int64_t i0 = 0; i0 < rows; i0 += mr) {
-                    const int64_t left = rows - i0;
-                    const int half = kn.half != NULL && left <= mr / 2;
-                    (half ? kn.half : kn.full)(w, K, xp + i0 * K, t);
-                    const int64_t take = left < mr ? left : mr;
-                    for (int64_t i = 0; i < take; i++) {
-                        float *y = Y + (m0 + i0 + i) * ldy + n0;
-                        for (int r = 0; r < valid; r++) y[r] = t[r * mr + i];
-                    }
-                }
-            }
-#pragma omp barrier /* xp is repacked for the next chunk */
-        }
+    atomic_int failed = 0;
+    pg_barrier barrier = {0};
+    barrier.spin_ns = pg_team_spin_ns;
+    const int parallel = N * K * M >= 262144;
+    _Pragma("omp parallel if (parallel)") {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        /* every thread takes part in the syncs, even one without a buffer */
+        float *wbuf = (float *)aligned_alloc(64, (size_t)pg_gemm_batched_wbuf(K) * sizeof(float));
+        if (wbuf == NULL) atomic_store(&failed, 1);
+        pg_team_sync(&team);
+        if (!failed)
+            pg_gemm_batched_part(type, W, row_bytes, N, K, X, ldx, M, Y, ldy, xp, wbuf, &team);
         free(wbuf);
     }
     free(xp);

@@ -235,13 +235,15 @@ def test_fused_decode_stack_on_float32_weights(
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [6, 12])
 @pytest.mark.parametrize("weights", ["q4_k_m", "float32"])
 def test_fused_decode_stack_splits_every_kernel(
-    tmp_path: Any, tiny_model: Callable[..., str], weights: str
+    tmp_path: Any, tiny_model: Callable[..., str], weights: str, rows: int
 ) -> None:
     """At shapes where the one-region stack splits each kernel's work across the team
-    (6 rows, contexts of 40-60 tokens in 16-slot blocks, 256 / 768 wide): its logits equal
-    the module path's, whose kernels each run in a region of their own, bit for bit."""
+    (contexts of 40-80 tokens in 16-slot blocks, 256 / 768 wide), and with more rows than
+    pg_gemm takes (12: GGUF products through pg_gemm_batched's part): its logits equal the
+    module path's, whose kernels each run in a region of their own, bit for bit."""
     from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
 
     if load_kernels() is None:
@@ -257,19 +259,24 @@ def test_fused_decode_stack_splits_every_kernel(
             "llama", hidden_size=256, intermediate_size=768, num_attention_heads=4,
             num_key_value_heads=2, num_hidden_layers=2))
     model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
-    names = [f"s{i}" for i in range(6)]
-    logits = {}
+    names = [f"s{i}" for i in range(rows)]
+    logits, fused_calls = {}, {}
     for name in ("fused", "modules"):
         runner = PagedRunner(model, mc, block_size=16)
         for i, seq in enumerate(names):
             runner.add(seq, [(j * (31 + 2 * i) + 3 * i) % 500 + 1 for j in range(40 + 4 * i)])
         runner.step([(seq, 38 + 4 * i) for i, seq in enumerate(names)])
         stack = model.model.fused_decode
-        assert stack is not None
+        assert stack is not None and stack.max_rows >= rows
+        counting = _CountingKernels(stack.lib)
+        stack.lib = counting
         if name == "modules":
             model.model.fused_decode = None
         logits[name] = [runner.step([(seq, 1) for seq in names]) for _ in range(2)]
+        fused_calls[name] = "pg_decode_layers" in counting.called
+        stack.lib = counting.lib
         model.model.fused_decode = stack
+    assert fused_calls == {"fused": True, "modules": False}
     for fused, modules in zip(logits["fused"], logits["modules"]):
         assert torch.equal(fused, modules)
 

@@ -1,5 +1,5 @@
 """A Llama-family decoder stack run as one C call (`pg_decode_layers`,
-pagellm/kernels/decode_step.c) for steps of a few single-token decodes: the kernels the
+pagellm/kernels/decode_step.c) for steps of single-token decodes: the kernels the
 module path calls one at a time from Python (~10 calls and their checks per layer), in
 the same order, so its numbers equal the module path's.
 
@@ -7,8 +7,9 @@ In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights t
 kernels read in place; the torch attention backend with its C kernels, float32) and a
 step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
-model does not qualify (prefill chunks, more than DIRECT_MAX_ROWS rows, other kernels):
-the module path then runs. It knows the torch backend's cache layout and decode metadata.
+model does not qualify (prefill chunks, more rows than the linears' C products take,
+other kernels): the module path then runs. It knows the torch backend's cache layout and
+decode metadata.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from pagellm.attention.torch_backend import TorchAttentionImpl, TorchAttentionMe
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.linear import Linear, UnquantizedLinearMethod
-from pagellm.model_executor.layers.quantization.gguf import DIRECT_MAX_ROWS, GGUFLinearMethod
+from pagellm.model_executor.layers.quantization.gguf import (
+    BATCHED_MAX_ROWS,
+    DIRECT_MAX_ROWS,
+    GGUFLinearMethod,
+)
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -47,7 +52,7 @@ class _Layer(ctypes.Structure):  # pg_layer
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
-                              "table_stride", "max_slots")],
+                              "table_stride", "max_slots", "direct_rows")],
         ("eps", _f32), ("scale", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "cos_table",
                               "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
@@ -63,6 +68,19 @@ def _weight_groups(layer: Linear) -> list[Any] | None:
     if isinstance(method, UnquantizedLinearMethod) and layer.dense_f32 is not None:
         return [layer.dense_f32]
     return None
+
+
+def _max_rows(layer: Linear) -> int:
+    """Input rows up to which the module path multiplies by `layer` in C: GGUF blocks
+    through pg_gemm / pg_gemm_batched, float32 weights through dense_f32.c."""
+    if isinstance(layer.quant_method, GGUFLinearMethod):
+        return BATCHED_MAX_ROWS
+    return layer.dense_f32.max_rows
+
+
+def _linears(layer: Any) -> tuple[Linear, ...]:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
 
 
 def _linear(layer: Linear, keep: list[Any]) -> _Linear:
@@ -86,7 +104,7 @@ def _qualifies(model: Any, lib: Any) -> bool:
     eps = model.layers[0].input_layernorm.variance_epsilon
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = _linears(layer)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if (
             attn.q_norm is not None
@@ -127,7 +145,10 @@ class FusedDecodeStack:
                 None, None,
             )  # fmt: skip
         self._caches: Any = None  # the kv_caches list whose pointers _layers holds
-        rows = DIRECT_MAX_ROWS
+        self.max_rows = min(_max_rows(m) for layer in model.layers for m in _linears(layer))
+        """Rows a step may have: as many as every linear's C product takes on the module
+        path (above, the module path runs torch's products)."""
+        rows = self.max_rows
         widths = {"normed": self.hidden, "qkv": (self.H + 2 * self.KVH) * self.D,
                   "attn": self.H * self.D, "gate_up": 2 * self.inter, "act": self.inter}  # fmt: skip
         self._scratch = {n: torch.empty(rows * w, dtype=torch.float32) for n, w in widths.items()}
@@ -136,7 +157,7 @@ class FusedDecodeStack:
             setattr(self._step, name, buf.data_ptr())
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
-        s.eps, s.scale = self.eps, self.scale
+        s.eps, s.scale, s.direct_rows = self.eps, self.scale, DIRECT_MAX_ROWS
         s.cos_table = model.rotary_emb.cos_cache.data_ptr()
         s.sin_table = model.rotary_emb.sin_cache.data_ptr()
         self._layers_ptr = ctypes.addressof(self._layers)
@@ -163,7 +184,7 @@ class FusedDecodeStack:
         md = get_forward_context().attn_metadata
         t = x.shape[0]
         if (
-            t > DIRECT_MAX_ROWS
+            t > self.max_rows
             or rope.kernels is None
             or not isinstance(md, TorchAttentionMetadata)
             or not md.decode_only
