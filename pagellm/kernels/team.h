@@ -41,11 +41,12 @@ static inline void pg_share(int64_t n, const pg_team *team, int64_t *lo, int64_t
     *hi = *lo + q + (i < r);
 }
 
-/* The share when the work is worth splitting (`parallel`), else all of it for thread 0:
- * what a kernel's `if` clause decides for its own region. */
+/* The share when the work is worth a region of its own (`parallel`: what a kernel's `if`
+ * clause decides), or when the team is awake anyway (inside a shared region); else all of
+ * it for thread 0. */
 static inline void pg_share_if(int parallel, int64_t n, const pg_team *team, int64_t *lo,
                                int64_t *hi) {
-    if (parallel || team->nth == 1) {
+    if (parallel || team->nth == 1 || team->barrier != NULL) {
         pg_share(n, team, lo, hi);
     } else {
         *lo = 0;
