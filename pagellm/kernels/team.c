@@ -18,8 +18,8 @@
 
 #include "team.h"
 
-/* 50 us: in-process A/B on this 2-core VM (benchmarks/README.md, "One region per decode
- * step"), spins of 10-100 us ran level with each other and well ahead of sleeping at once. */
+/* 50 us: in-process A/B on this 2-core VM (benchmarks/README.md, "One parallel region per
+ * decode step"), spins of 10-100 us ran level with each other and well ahead of sleeping at once. */
 int64_t pg_team_spin_ns = 50000;
 
 static inline void cpu_relax(void) {

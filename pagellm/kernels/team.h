@@ -30,7 +30,7 @@ extern int64_t pg_team_spin_ns;
 
 typedef struct {
     int ith, nth;
-    pg_barrier *barrier; /* NULL outside a shared region (a kernel's own region) */
+    pg_barrier *barrier; /* NULL in a region whose team never meets (a kernel's own) */
 } pg_team;
 
 /* [*lo, *hi): thread ith's contiguous share of n items (the first n % nth threads take
