@@ -28,6 +28,7 @@
 #include "team.h"
 
 int pg_type_supported(int type);
+int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K);
 int64_t pg_gemm_scratch(int64_t K);
 void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                   const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy, float *wrow,
@@ -97,7 +98,8 @@ typedef struct {
 static int linear_supported(const pg_linear *L) {
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
-        if (w->block > 0 ? w->block > 64 || w->k_pad < L->n_in : !pg_type_supported((int)w->type))
+        if (w->block > 0 ? !pg_f32_blocked_supported(w->block, w->k_pad, L->n_in)
+                         : !pg_type_supported((int)w->type))
             return 0;
     }
     return 1;

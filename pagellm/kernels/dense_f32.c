@@ -252,11 +252,16 @@ void pg_gemm_f32_blocked_part(const float *Wp, int64_t nb, int64_t kp, int64_t N
     }
 }
 
+/* 1 when the parts take blocks of width nb holding kp >= K values each. */
+int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K) {
+    return nb > 0 && nb <= NB_MAX && kp >= K;
+}
+
 /* The part in a region of its own. Returns 0, or -1 for a block width this file does not
  * take (it takes 1..64). */
 int pg_gemm_f32_blocked(const float *Wp, int64_t nb, int64_t kp, int64_t N, int64_t K,
                         const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (nb <= 0 || nb > NB_MAX || kp < K) return -1;
+    if (!pg_f32_blocked_supported(nb, kp, K)) return -1;
     PG_TEAM_RUN(N * K * M >= 262144,
                 pg_gemm_f32_blocked_part(Wp, nb, kp, N, K, X, ldx, M, Y, ldy, &team));
     return 0;
