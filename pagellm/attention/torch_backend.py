@@ -109,6 +109,20 @@ class _DecodeLookups:
 
 
 @dataclass
+class RowAttention:
+    """Every query row of a step as a one-token decode of its own: row t reads the slots
+    [slot_lo[t], slot_hi[t]) of its padded row `block_table[t]`, the keys its position
+    sees (itself included, once the step's K/V are in the cache). A prompt chunk's rows
+    share their request's blocks and differ in slot_hi. The one-region decode stack
+    (models/fused_decode.py) attends a mixed step this way with its decode kernel."""
+
+    block_table: torch.Tensor  # [T, num_blocks]
+    slot_lo: torch.Tensor  # [T] int64
+    slot_hi: torch.Tensor  # [T] int64
+    max_slots: int
+
+
+@dataclass
 class TorchAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens]
@@ -118,6 +132,14 @@ class TorchAttentionMetadata:
     prefills: list[PrefillChunk]
     decode_only: bool = False
     """Every row is a decode, in request order: the decode output is the whole output."""
+    rows: RowAttention | None = None
+    """Every row as its own decode (`RowAttention`), made for steps with a prompt chunk
+    and at most `ROW_ATTENTION_MAX_ROWS` rows."""
+
+
+ROW_ATTENTION_MAX_ROWS = 256
+"""Steps with prompt chunks up to this many rows get `RowAttention` (the most rows the
+one-region stack takes: GGUF products through pg_gemm_batched)."""
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -145,6 +167,31 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             prefills=[self._build_prefill(common, i) for i in prefill_reqs],
             # with no prompt chunks, request i's single token is row i
             decode_only=decode is not None and not prefill_reqs,
+            rows=(self._build_rows(common)
+                  if prefill_reqs and common.num_actual_tokens <= ROW_ATTENTION_MAX_ROWS
+                  else None),
+        )
+
+    def _build_rows(self, common: CommonAttentionMetadata) -> RowAttention:
+        """Row t of request i sits at position p = seq_len_i - q_len_i + (t - start_i) and
+        sees keys [p + 1 - W, p + 1) (from 0 without a window W): its padded row starts
+        at the block holding the first of them, as `_build_decode` lays out a decode."""
+        qsl = torch.as_tensor(common.query_start_loc_cpu[: common.num_reqs + 1], dtype=torch.long)
+        q_lens = qsl[1:] - qsl[:-1]
+        seq_lens = torch.as_tensor(common.seq_lens_cpu[: common.num_reqs], dtype=torch.long)
+        req = torch.repeat_interleave(torch.arange(common.num_reqs), q_lens)
+        t = torch.arange(common.num_actual_tokens)
+        end = seq_lens[req] - (qsl[1:][req] - t) + 1  # keys up to position p: p + 1 of them
+        bs, window = self.block_size, self.sliding_window
+        start = (end - window).clamp_(min=0) if window else torch.zeros_like(end)
+        first = start // bs
+        num_blocks = int(((end + bs - 1) // bs - first).max())
+        table = common.block_table.index_select(0, req.to(self.device))
+        cols = (first[:, None] + torch.arange(num_blocks)).clamp_(max=table.shape[1] - 1)
+        lo, hi = start - first * bs, end - first * bs
+        return RowAttention(
+            block_table=table.gather(1, cols.to(self.device)).contiguous(), slot_lo=lo,
+            slot_hi=hi, max_slots=int((hi - lo).max()),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, reqs: list[int]) -> DecodeBatch:

@@ -26,6 +26,35 @@
 #include "ggml_common.h"
 #include "team.h"
 
+
+/* [*t0, *t1): this thread's share of `per` tasks for each of B requests (task k belongs to
+ * request k / per), cut where the slots read so far cross i / nth of all of them, so that
+ * long and short requests (or the rows of one prompt, each a key longer than the last)
+ * even out across the team. Which thread runs a task changes no number. */
+static void share_by_slots(int parallel, int64_t B, int64_t per, const int64_t *lo,
+                           const int64_t *hi, const pg_team *team, int64_t *t0, int64_t *t1) {
+    if (!(parallel || team->nth == 1 || team->barrier != NULL)) {
+        *t0 = 0;
+        *t1 = team->ith == 0 ? B * per : 0;
+        return;
+    }
+    /* each task also costs its query and output: 16 slots' worth */
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; b++) total += (hi[b] - lo[b] + 16) * per;
+    const int64_t from = total * team->ith / team->nth, to = total * (team->ith + 1) / team->nth;
+    int64_t seen = 0;
+    *t0 = *t1 = B * per;
+    for (int64_t k = 0; k < B * per; k++) {
+        if (seen >= from && *t0 == B * per) *t0 = k;
+        if (seen >= to) {
+            *t1 = k;
+            break;
+        }
+        seen += hi[k / per] - lo[k / per] + 16;
+    }
+    if (*t0 > *t1) *t0 = *t1;
+}
+
 #ifdef PG_AVX2
 /* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after reducing x to
  * r + n ln 2, |r| <= ln2 / 2; about 1 ulp. Below -87 (under FLT_MIN) the result is 0. */
@@ -149,7 +178,7 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
     const int64_t runs = (group + run - 1) / run, tasks = B * KVH * runs;
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
     int64_t t0, t1;
-    pg_share_if(B * H * max_slots * D >= 32768, tasks, team, &t0, &t1);
+    share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
         const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
         const int64_t h0 = kvh * group + t % runs * run;
@@ -175,7 +204,7 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
                                  const int64_t *hi, int64_t max_slots, float scale, float *out,
                                  float *scores, const pg_team *team) {
     int64_t group = H / KVH, t0, t1;
-    pg_share_if(B * H * max_slots * D >= 32768, B * H, team, &t0, &t1);
+    share_by_slots(B * H * max_slots * D >= 32768, B, H, lo, hi, team, &t0, &t1);
     for (int64_t task = t0; task < t1; task++) {
         int64_t b = task / H, h = task % H, kvh = h / group;
         const float *qh = q + b * ldq + h * D;

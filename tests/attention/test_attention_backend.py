@@ -169,3 +169,45 @@ def test_torch_backend_pieces_fit_together() -> None:
     mean = torch.cumsum(v, 0) / torch.arange(1, 4)[:, None, None]
     torch.testing.assert_close(out, mean.expand(3, 2, 2))
     assert torch.equal(kv_cache[1][1, :3], v)
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["whole", "window6"])
+def test_row_attention_gives_each_row_the_keys_its_position_sees(window: int | None) -> None:
+    """A step with a decode (request 0: its 10th token) and a prompt chunk over a cached
+    prefix (request 1: positions 5-7 of 8) becomes one decode per row: the padded row
+    starts at the block holding the first key the position sees, and [lo, hi) are those
+    keys' slots in it (block size 4)."""
+    from pagellm.attention.torch_backend import TorchAttentionMetadataBuilder
+
+    common = CommonAttentionMetadata(
+        num_reqs=2,
+        num_actual_tokens=4,
+        query_start_loc=torch.tensor([0, 1, 4]),
+        seq_lens=torch.tensor([10, 8]),
+        block_table=torch.tensor([[7, 3, 9], [2, 5, 0]]),
+        slot_mapping=torch.tensor([9 * 4 + 1, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3]),
+        query_start_loc_cpu=[0, 1, 4],
+        seq_lens_cpu=[10, 8],
+        max_query_len=3,
+        max_seq_len=10,
+        block_size=4,
+    )
+    builder = TorchAttentionMetadataBuilder(4, torch.device("cpu"), sliding_window=window)
+    rows = builder.build(common).rows
+    assert rows is not None
+    if window is None:  # keys 0..p: the whole table row, slots [0, p + 1)
+        assert rows.block_table.tolist() == [[7, 3, 9], [2, 5, 0], [2, 5, 0], [2, 5, 0]]
+        assert rows.slot_lo.tolist() == [0, 0, 0, 0]
+        assert rows.slot_hi.tolist() == [10, 6, 7, 8]
+        assert rows.max_slots == 10
+    else:  # keys p - 5..p: position 9 starts in block 1 (positions 4-7) at slot 0
+        # positions 5, 6, 7 see 0-5, 1-6, 2-7, all starting in block 0
+        assert rows.block_table.tolist() == [[3, 9], [2, 5], [2, 5], [2, 5]]
+        assert rows.slot_lo.tolist() == [0, 0, 1, 2]
+        assert rows.slot_hi.tolist() == [6, 6, 7, 8]
+        assert rows.max_slots == 6
+    # the decode row is the decode batch's own row
+    dec = builder.build(common).decode
+    assert dec is not None
+    assert rows.block_table[0, : dec.block_table.shape[1]].tolist() == dec.block_table[0].tolist()
+    assert (rows.slot_lo[0].item(), rows.slot_hi[0].item()) == (dec.slot_lo[0].item(), dec.slot_hi[0].item())

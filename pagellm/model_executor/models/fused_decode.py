@@ -1,14 +1,16 @@
 """A Llama-family decoder stack run as one C call (`pg_decode_layers`,
-pagellm/kernels/decode_step.c) for steps of single-token decodes: the kernels the
+pagellm/kernels/decode_step.c) for a step of up to `max_rows` rows: the kernels the
 module path calls one at a time from Python (~10 calls and their checks per layer), in
-the same order, so its numbers equal the module path's.
+the same order. On decode-only steps its numbers equal the module path's bit for bit.
+A step with prompt chunks attends each prompt row as a decode of its own over the paged
+cache (the step's K/V are written first; `RowAttention`), where the module path runs
+SDPA per chunk: the same attention up to summation order (1e-5 relative).
 
 In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights the
 kernels read in place; the torch attention backend with its C kernels, float32) and a
 step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
-model does not qualify (prefill chunks, more rows than the linears' C products take,
-other kernels): the module path then runs. It knows the torch backend's cache layout and
+model does not qualify (more rows than the linears' C products take, other kernels): the module path then runs. It knows the torch backend's cache layout and
 decode metadata.
 """
 
@@ -187,7 +189,7 @@ class FusedDecodeStack:
             t > self.max_rows
             or rope.kernels is None
             or not isinstance(md, TorchAttentionMetadata)
-            or not md.decode_only
+            or not (md.decode_only or md.rows is not None)
             or md.num_actual_tokens != t
             or x.dtype != torch.float32
             or not x.is_contiguous()
@@ -198,10 +200,12 @@ class FusedDecodeStack:
         kv_caches = get_forward_context().kv_caches
         if kv_caches is not self._caches:
             self._bind_caches(kv_caches)
-        dec, s = md.decode, self._step
+        # a step with prompt chunks attends each row as a decode of its own (RowAttention)
+        rows = md.decode if md.decode_only else md.rows
+        s = self._step
         s.T, s.NB, s.bs = t, self.NB, self.bs
-        s.table, s.table_stride = dec.block_table.data_ptr(), dec.block_table.stride(0)
-        s.lo, s.hi, s.max_slots = dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots
+        s.table, s.table_stride = rows.block_table.data_ptr(), rows.block_table.stride(0)
+        s.lo, s.hi, s.max_slots = rows.slot_lo.data_ptr(), rows.slot_hi.data_ptr(), rows.max_slots
         s.positions, s.slots = rope.positions.data_ptr(), md.slot_mapping.data_ptr()
         res = torch.empty_like(x)
         if self.lib.pg_decode_layers(self._layers_ptr, self.n_layers, self._step_ptr,
