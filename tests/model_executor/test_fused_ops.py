@@ -5,6 +5,7 @@ attention kernels off too) for a prefill, a mixed step and a decode step."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -87,13 +88,14 @@ def test_silu_and_mul_equals_silu_times_up(lib: Any, t: int, i: int, pad: int) -
 
 
 class _CountingKernels:
-    """The kernel library, noting which entry points were called."""
+    """The kernel library, noting which entry points were called, and how often."""
 
     def __init__(self, lib: Any) -> None:
-        self.lib, self.called = lib, set()
+        self.lib, self.called, self.counts = lib, set(), Counter()
 
     def __getattr__(self, name: str) -> Any:
         self.called.add(name)
+        self.counts[name] += 1
         return getattr(self.lib, name)
 
 
@@ -239,6 +241,40 @@ def test_fused_stack_attends_prompt_rows_like_sdpa(
     assert took == [True] * len(steps)
     for f, m in zip(fused, modules):
         _close(f, m)
+
+
+def test_fused_stack_runs_a_large_step_in_calls_of_max_rows(tiny_model: Callable[..., str]) -> None:
+    """A step of more rows than the stack's products take runs as consecutive calls of
+    `max_rows` rows (a prompt row reading keys an earlier call cached): on float32 weights,
+    whose products give a row the same sums at any row count, the logits equal one call's
+    bit for bit. Here max_rows is cut to 4, so the 9-row prompt takes 3 calls."""
+    if load_kernels() is None:
+        pytest.skip("no C compiler")
+    mc = make_model_config(tiny_model("llama", hidden_size=72, intermediate_size=97))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    stack = FusedDecodeStack.build(model.model)
+    if stack is None:
+        pytest.skip("oneDNN chose a packed layout dense_f32.c does not read on this CPU")
+    model.model.fused_decode, model.model._fused_checked = stack, True
+    counting = _CountingKernels(stack.lib)
+    stack.lib = counting
+    steps = [[("a", 9)], [("a", 1), ("b", 6)], [("b", 1), ("a", 1)]]
+    logits, calls = {}, {}
+    full = stack.max_rows
+    for name, max_rows in (("one call", full), ("calls of 4", 4)):
+        stack.max_rows = max_rows
+        runner = PagedRunner(model, mc, block_size=4)
+        runner.add("a", [(i * 31 + 3) % 500 + 1 for i in range(12)])
+        runner.add("b", [(i * 17 + 5) % 500 + 1 for i in range(8)])
+        logits[name], calls[name] = [], []
+        for step in steps:
+            counting.counts.clear()
+            logits[name].append(runner.step(step))
+            calls[name].append(counting.counts["pg_decode_layers"])
+    stack.max_rows, stack.lib = full, counting.lib
+    assert calls == {"one call": [1, 1, 1], "calls of 4": [3, 2, 1]}
+    for split, whole in zip(logits["calls of 4"], logits["one call"]):
+        assert torch.equal(split, whole)
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "plain"])

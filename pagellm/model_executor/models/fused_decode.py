@@ -22,7 +22,11 @@ from typing import Any
 import torch
 
 from pagellm.attention.backend import get_forward_context
-from pagellm.attention.torch_backend import TorchAttentionImpl, TorchAttentionMetadata
+from pagellm.attention.torch_backend import (
+    ROW_ATTENTION_MAX_ROWS,
+    TorchAttentionImpl,
+    TorchAttentionMetadata,
+)
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.linear import Linear, UnquantizedLinearMethod
@@ -34,6 +38,11 @@ from pagellm.model_executor.layers.quantization.gguf import (
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+MAX_STEP_ROWS = ROW_ATTENTION_MAX_ROWS
+"""Rows of the largest step the stack takes (in calls of `max_rows`): above it, prefill
+products are large enough for oneDNN's blocking and the module path runs."""
 
 
 class _WeightGroup(ctypes.Structure):  # pg_weight_group
@@ -182,11 +191,14 @@ class FusedDecodeStack:
 
     def run(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [T, hidden] embeddings (overwritten with the last MLP output) -> (x, residual),
-        or None where this step takes the module path."""
+        or None where this step takes the module path. A step of more than `max_rows`
+        rows (up to MAX_STEP_ROWS) runs as consecutive calls of `max_rows` rows: a row's
+        linears do not depend on the other rows, and a prompt row's keys from an earlier
+        call are in the cache by then, as in a chunked prefill."""
         md = get_forward_context().attn_metadata
         t = x.shape[0]
         if (
-            t > self.max_rows
+            t > MAX_STEP_ROWS
             or rope.kernels is None
             or not isinstance(md, TorchAttentionMetadata)
             or not (md.decode_only or md.rows is not None)
@@ -202,13 +214,18 @@ class FusedDecodeStack:
             self._bind_caches(kv_caches)
         # a step with prompt chunks attends each row as a decode of its own (RowAttention)
         rows = md.decode if md.decode_only else md.rows
-        s = self._step
-        s.T, s.NB, s.bs = t, self.NB, self.bs
-        s.table, s.table_stride = rows.block_table.data_ptr(), rows.block_table.stride(0)
-        s.lo, s.hi, s.max_slots = rows.slot_lo.data_ptr(), rows.slot_hi.data_ptr(), rows.max_slots
-        s.positions, s.slots = rope.positions.data_ptr(), md.slot_mapping.data_ptr()
+        table, lo, hi = rows.block_table, rows.slot_lo, rows.slot_hi
+        s, width = self._step, x.shape[1]
+        s.NB, s.bs, s.max_slots, s.table_stride = self.NB, self.bs, rows.max_slots, table.stride(0)
         res = torch.empty_like(x)
-        if self.lib.pg_decode_layers(self._layers_ptr, self.n_layers, self._step_ptr,
-                                     x.data_ptr(), res.data_ptr()):
-            raise RuntimeError("fused decode step: a kernel failed (type or memory)")
+        for a in range(0, t, self.max_rows):
+            b = min(t, a + self.max_rows)
+            s.T = b - a
+            s.table = table.data_ptr() + a * table.stride(0) * 8  # int64 rows
+            s.lo, s.hi = lo.data_ptr() + a * 8, hi.data_ptr() + a * 8
+            s.positions = rope.positions.data_ptr() + a * 8
+            s.slots = md.slot_mapping.data_ptr() + a * 8
+            if self.lib.pg_decode_layers(self._layers_ptr, self.n_layers, self._step_ptr,
+                                         x.data_ptr() + a * width * 4, res.data_ptr() + a * width * 4):
+                raise RuntimeError("fused decode step: a kernel failed (type or memory)")
         return x, res
