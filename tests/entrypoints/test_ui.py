@@ -466,8 +466,14 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
             assert list(pool.map(one, range(8))) == [200] * 8
         preempted = engine_metric(srv, "pagellm:num_preemptions_total")
         assert preempted > 0
-        markers = wait_for(lambda: browser.execute_script(
-            "return window.pagellmDashboard.markers.filter(m => m.kind === 'preemption')"), 30, "preemption markers")
+        def preemption_markers() -> list[dict]:
+            return browser.execute_script(
+                "return window.pagellmDashboard.markers.filter(m => m.kind === 'preemption')")
+
+        # the page polls every few seconds: wait for the poll that has seen every preemption
+        wait_for(lambda: sum(m["count"] for m in preemption_markers()) == preempted, 30,
+                 f"preemption markers counting {preempted:.0f}")
+        markers = preemption_markers()
         assert sum(m["count"] for m in markers) == preempted
         assert {m["engine"] for m in markers} <= {"0", "1"}
         assert browser.find_element(By.CSS_SELECTOR, "#tile-preemptions .value").text == f"{preempted:.0f}"
