@@ -25,7 +25,7 @@ import statistics
 import time
 
 from pagellm import LLM, SamplingParams
-from pagellm.model_executor.models.fused_decode import MAX_STEP_ROWS
+from pagellm.attention.torch_backend import ROW_ATTENTION_MAX_ROWS
 
 
 def measure(llm: LLM, rows: int, rounds: int, steps: int, prompt: int) -> dict[str, list[float]]:
@@ -40,7 +40,7 @@ def measure(llm: LLM, rows: int, rounds: int, steps: int, prompt: int) -> dict[s
     for _ in range(3):  # the prefill, then warm decode steps
         engine.step()
     stack = decoder.fused_decode
-    if stack is None or MAX_STEP_ROWS < rows + prompt:
+    if stack is None or ROW_ATTENTION_MAX_ROWS < rows + prompt:
         engine.abort_request(ids)
         raise SystemExit(f"the one-region stack does not take {rows + prompt} rows of this model")
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)

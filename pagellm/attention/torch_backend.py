@@ -138,8 +138,9 @@ class TorchAttentionMetadata:
 
 
 ROW_ATTENTION_MAX_ROWS = 256
-"""Steps with prompt chunks up to this many rows get `RowAttention` (the most rows the
-one-region stack takes: GGUF products through pg_gemm_batched)."""
+"""Steps with prompt chunks up to this many rows get `RowAttention`; it is also the
+largest step the one-region stack takes (models/fused_decode.py). Above it a step is a
+prefill whose products are large enough for oneDNN's blocking."""
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):

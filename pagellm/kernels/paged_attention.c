@@ -26,33 +26,29 @@
 #include "ggml_common.h"
 #include "team.h"
 
+/* The first of B * per tasks (task k belongs to request k / per) before which at least
+ * `target` slots are read, each task counting its slots plus 16 for its query and output. */
+static int64_t task_at_slot(int64_t target, int64_t B, int64_t per, const int64_t *lo,
+                            const int64_t *hi) {
+    int64_t seen = 0, k = 0;
+    for (; k < B * per && seen < target; k++) seen += hi[k / per] - lo[k / per] + 16;
+    return k;
+}
 
-/* [*t0, *t1): this thread's share of `per` tasks for each of B requests (task k belongs to
- * request k / per), cut where the slots read so far cross i / nth of all of them, so that
- * long and short requests (or the rows of one prompt, each a key longer than the last)
- * even out across the team. Which thread runs a task changes no number. */
+/* [*t0, *t1): this thread's share of the B * per tasks, cut where the slots read so far
+ * cross i / nth of all of them, so that long and short requests (or the rows of one
+ * prompt, each a key longer than the last) even out across the team. Which thread runs a
+ * task changes no number. */
 static void share_by_slots(int parallel, int64_t B, int64_t per, const int64_t *lo,
                            const int64_t *hi, const pg_team *team, int64_t *t0, int64_t *t1) {
-    if (!(parallel || team->nth == 1 || team->barrier != NULL)) {
-        *t0 = 0;
-        *t1 = team->ith == 0 ? B * per : 0;
+    if (!pg_team_splits(parallel, team)) { /* all of it on thread 0 */
+        pg_share_if(parallel, B * per, team, t0, t1);
         return;
     }
-    /* each task also costs its query and output: 16 slots' worth */
     int64_t total = 0;
     for (int64_t b = 0; b < B; b++) total += (hi[b] - lo[b] + 16) * per;
-    const int64_t from = total * team->ith / team->nth, to = total * (team->ith + 1) / team->nth;
-    int64_t seen = 0;
-    *t0 = *t1 = B * per;
-    for (int64_t k = 0; k < B * per; k++) {
-        if (seen >= from && *t0 == B * per) *t0 = k;
-        if (seen >= to) {
-            *t1 = k;
-            break;
-        }
-        seen += hi[k / per] - lo[k / per] + 16;
-    }
-    if (*t0 > *t1) *t0 = *t1;
+    *t0 = task_at_slot(total * team->ith / team->nth, B, per, lo, hi);
+    *t1 = task_at_slot(total * (team->ith + 1) / team->nth, B, per, lo, hi);
 }
 
 #ifdef PG_AVX2

@@ -41,12 +41,16 @@ static inline void pg_share(int64_t n, const pg_team *team, int64_t *lo, int64_t
     *hi = *lo + q + (i < r);
 }
 
-/* The share when the work is worth a region of its own (`parallel`: what a kernel's `if`
- * clause decides), or when the team is awake anyway (inside a shared region); else all of
- * it for thread 0. */
+/* Whether a team splits a kernel's work: when it is worth a region of its own (`parallel`:
+ * what a kernel's `if` clause decides), or when the team is awake anyway (inside a shared
+ * region). pg_share_if gives the share, else all of it to thread 0. */
+static inline int pg_team_splits(int parallel, const pg_team *team) {
+    return parallel || team->nth == 1 || team->barrier != NULL;
+}
+
 static inline void pg_share_if(int parallel, int64_t n, const pg_team *team, int64_t *lo,
                                int64_t *hi) {
-    if (parallel || team->nth == 1 || team->barrier != NULL) {
+    if (pg_team_splits(parallel, team)) {
         pg_share(n, team, lo, hi);
     } else {
         *lo = 0;

@@ -1,7 +1,7 @@
 """A Llama-family decoder stack run as one C call (`pg_decode_layers`,
-pagellm/kernels/decode_step.c) for a step of up to `max_rows` rows: the kernels the
-module path calls one at a time from Python (~10 calls and their checks per layer), in
-the same order. On decode-only steps its numbers equal the module path's bit for bit.
+pagellm/kernels/decode_step.c) per `max_rows` rows of a step of up to
+ROW_ATTENTION_MAX_ROWS rows: the kernels the module path calls one at a time from Python
+(~10 calls and their checks per layer), in the same order. On decode-only steps its numbers equal the module path's bit for bit.
 A step with prompt chunks attends each prompt row as a decode of its own over the paged
 cache (the step's K/V are written first; `RowAttention`), where the module path runs
 SDPA per chunk: the same attention up to summation order (1e-5 relative).
@@ -10,8 +10,8 @@ In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights t
 kernels read in place; the torch attention backend with its C kernels, float32) and a
 step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
-model does not qualify (more rows than the linears' C products take, other kernels): the module path then runs. It knows the torch backend's cache layout and
-decode metadata.
+model does not qualify (more than ROW_ATTENTION_MAX_ROWS rows, other kernels): the module
+path then runs. It knows the torch backend's cache layout and decode metadata.
 """
 
 from __future__ import annotations
@@ -38,11 +38,6 @@ from pagellm.model_executor.layers.quantization.gguf import (
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-MAX_STEP_ROWS = ROW_ATTENTION_MAX_ROWS
-"""Rows of the largest step the stack takes (in calls of `max_rows`): above it, prefill
-products are large enough for oneDNN's blocking and the module path runs."""
 
 
 class _WeightGroup(ctypes.Structure):  # pg_weight_group
@@ -192,13 +187,13 @@ class FusedDecodeStack:
     def run(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [T, hidden] embeddings (overwritten with the last MLP output) -> (x, residual),
         or None where this step takes the module path. A step of more than `max_rows`
-        rows (up to MAX_STEP_ROWS) runs as consecutive calls of `max_rows` rows: a row's
+        rows (up to ROW_ATTENTION_MAX_ROWS) runs as consecutive calls of `max_rows` rows: a row's
         linears do not depend on the other rows, and a prompt row's keys from an earlier
         call are in the cache by then, as in a chunked prefill."""
         md = get_forward_context().attn_metadata
         t = x.shape[0]
         if (
-            t > MAX_STEP_ROWS
+            t > ROW_ATTENTION_MAX_ROWS
             or rope.kernels is None
             or not isinstance(md, TorchAttentionMetadata)
             or not (md.decode_only or md.rows is not None)
