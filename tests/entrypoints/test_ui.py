@@ -147,6 +147,12 @@ def record_frames(driver: Any) -> None:
     """)
 
 
+def live_text(driver: Any, css: str) -> str:
+    """The text of a dashboard element that each poll redraws, read in one script call: a
+    Selenium element found first can be replaced by the next poll before its text is read."""
+    return driver.execute_script("return document.querySelector(arguments[0]).innerText", css)
+
+
 def engine_metric(server: ServerProcess, name: str, reason: str | None = None) -> float:
     total = 0.0
     for key, value in server.metrics().items():
@@ -407,10 +413,10 @@ def test_dashboard_follows_16_requests(server, model, browser) -> None:
     assert any(v is not None and v > 0 for t, v in series("generation_tokens_per_s") if t >= started)
     wait_for(lambda: series("running")[-1][1] == 0 and series("kv_cache_usage_perc")[-1][1] == 0, 30,
              "the plots to fall back to zero")
-    latest = json.loads(browser.find_element(By.ID, "chart-requests").get_attribute("data-latest"))
+    latest = json.loads(browser.execute_script("return document.getElementById('chart-requests').dataset.latest"))
     assert latest == {"running": 0, "waiting": 0}
-    assert json.loads(browser.find_element(By.ID, "chart-kv").get_attribute("data-latest")) == {"usage": 0}
-    assert browser.find_element(By.CSS_SELECTOR, "#tile-finished .value").text != "0"
+    assert json.loads(browser.execute_script("return document.getElementById('chart-kv').dataset.latest")) == {"usage": 0}
+    assert live_text(browser, "#tile-finished .value") != "0"
     Select(browser.find_element(By.ID, "window")).select_by_value("60")  # the burst, readable
     check_layout_and_screenshot(browser, "dashboard")
 
@@ -444,7 +450,6 @@ def test_dashboard_percentiles_from_histogram_buckets(server, browser) -> None:
 def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) -> None:
     """Two data-parallel engines with a KV cache too small for their batch: the dashboard
     has a series per engine and marks the preemptions the engines count."""
-    from selenium.webdriver.common.by import By
 
     srv = ServerProcess(tiny_model("llama"), "--max-model-len", "256", "--data-parallel-size", "2",
                         "--num-gpu-blocks-override", "24")
@@ -453,7 +458,7 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
         wait_for(lambda: browser.execute_script("return window.pagellmDashboard.polls") >= 2, 30, "two polls")
         assert browser.execute_script("return window.pagellmDashboard.engines") == ["0", "1"]
         assert set(browser.execute_script("return Object.keys(window.pagellmDashboard.series.running)")) == {"0", "1"}
-        legend = browser.find_element(By.CSS_SELECTOR, "#chart-requests .legend").text
+        legend = live_text(browser, "#chart-requests .legend")
         for name in ("running · engine 0", "running · engine 1", "waiting · engine 0", "waiting · engine 1"):
             assert name in legend
 
@@ -476,7 +481,7 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
         markers = preemption_markers()
         assert sum(m["count"] for m in markers) == preempted
         assert {m["engine"] for m in markers} <= {"0", "1"}
-        assert browser.find_element(By.CSS_SELECTOR, "#tile-preemptions .value").text == f"{preempted:.0f}"
+        assert live_text(browser, "#tile-preemptions .value") == f"{preempted:.0f}"
         assert console_errors(browser) == []
     finally:
         srv.stop()

@@ -13,14 +13,16 @@ import httpx
 from tests.entrypoints.openai.conftest import ServerProcess
 
 MAX_TOKENS = 16
+LEAVER_TOKENS = 480  # the tiny model's context is 512
 
 
 async def _client(srv: ServerProcess, i: int, leave_after: int | None) -> tuple[int, int, bool]:
     """Returns (index, content chunks received, finished normally)."""
-    # A client that will hang up asks for 4x the tokens: its request is then still running
-    # for dozens of steps after it leaves, not racing its last token against the server
-    # noticing the disconnect (a tiny model's step takes a few milliseconds).
-    max_tokens = MAX_TOKENS if leave_after is None else 4 * MAX_TOKENS
+    # A client that will hang up asks for LEAVER_TOKENS: its request then still runs for
+    # hundreds of steps after it leaves. With a few times MAX_TOKENS, the tiny model (a
+    # step takes milliseconds) could finish every leaver before this one event loop, reading
+    # 128 streams on a 2-core machine, had read far enough to hang up (0 of 43 aborted, once).
+    max_tokens = MAX_TOKENS if leave_after is None else LEAVER_TOKENS
     body = {"prompt": f"Client {i} says", "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True}
     chunks = 0
@@ -43,7 +45,7 @@ async def _client(srv: ServerProcess, i: int, leave_after: int | None) -> tuple[
 
 
 def test_128_streams_with_a_third_hanging_up(tiny_model) -> None:
-    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "128")
+    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "512")
     try:
         rng = random.Random(0)
         leavers = {i: rng.randint(1, MAX_TOKENS // 3) for i in rng.sample(range(128), 43)}
