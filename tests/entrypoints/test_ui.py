@@ -147,10 +147,13 @@ def record_frames(driver: Any) -> None:
     """)
 
 
-def live_text(driver: Any, css: str) -> str:
-    """The text of a dashboard element that each poll redraws, read in one script call: a
-    Selenium element found first can be replaced by the next poll before its text is read."""
-    return driver.execute_script("return document.querySelector(arguments[0]).innerText", css)
+def live_read(driver: Any, css: str, attribute: str | None = None) -> str:
+    """The text (or `attribute`) of a dashboard element that each poll redraws, read in one
+    script call: a Selenium element found first can be replaced by the next poll before it
+    is read."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        " return arguments[1] === null ? e.innerText : e.getAttribute(arguments[1])", css, attribute)
 
 
 def engine_metric(server: ServerProcess, name: str, reason: str | None = None) -> float:
@@ -413,10 +416,10 @@ def test_dashboard_follows_16_requests(server, model, browser) -> None:
     assert any(v is not None and v > 0 for t, v in series("generation_tokens_per_s") if t >= started)
     wait_for(lambda: series("running")[-1][1] == 0 and series("kv_cache_usage_perc")[-1][1] == 0, 30,
              "the plots to fall back to zero")
-    latest = json.loads(browser.execute_script("return document.getElementById('chart-requests').dataset.latest"))
+    latest = json.loads(live_read(browser, "#chart-requests", "data-latest"))
     assert latest == {"running": 0, "waiting": 0}
-    assert json.loads(browser.execute_script("return document.getElementById('chart-kv').dataset.latest")) == {"usage": 0}
-    assert live_text(browser, "#tile-finished .value") != "0"
+    assert json.loads(live_read(browser, "#chart-kv", "data-latest")) == {"usage": 0}
+    assert live_read(browser, "#tile-finished .value") != "0"
     Select(browser.find_element(By.ID, "window")).select_by_value("60")  # the burst, readable
     check_layout_and_screenshot(browser, "dashboard")
 
@@ -450,7 +453,6 @@ def test_dashboard_percentiles_from_histogram_buckets(server, browser) -> None:
 def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) -> None:
     """Two data-parallel engines with a KV cache too small for their batch: the dashboard
     has a series per engine and marks the preemptions the engines count."""
-
     srv = ServerProcess(tiny_model("llama"), "--max-model-len", "256", "--data-parallel-size", "2",
                         "--num-gpu-blocks-override", "24")
     try:
@@ -458,7 +460,7 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
         wait_for(lambda: browser.execute_script("return window.pagellmDashboard.polls") >= 2, 30, "two polls")
         assert browser.execute_script("return window.pagellmDashboard.engines") == ["0", "1"]
         assert set(browser.execute_script("return Object.keys(window.pagellmDashboard.series.running)")) == {"0", "1"}
-        legend = live_text(browser, "#chart-requests .legend")
+        legend = live_read(browser, "#chart-requests .legend")
         for name in ("running · engine 0", "running · engine 1", "waiting · engine 0", "waiting · engine 1"):
             assert name in legend
 
@@ -481,7 +483,7 @@ def test_dashboard_plots_each_engine_and_marks_preemptions(tiny_model, browser) 
         markers = preemption_markers()
         assert sum(m["count"] for m in markers) == preempted
         assert {m["engine"] for m in markers} <= {"0", "1"}
-        assert live_text(browser, "#tile-preemptions .value") == f"{preempted:.0f}"
+        assert live_read(browser, "#tile-preemptions .value") == f"{preempted:.0f}"
         assert console_errors(browser) == []
     finally:
         srv.stop()
