@@ -29,6 +29,8 @@ SHAPES: dict[str, dict[str, int]] = {
     # (`vocab_from`, by default pagellm's default model: 49152 tokens), which keeps the
     # file ~0.8 GB in Q4_K_M and gives llama.cpp and transformers a real BPE tokenizer
     "llama-3.2-1b": dict(hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8, vocab=49152),
+    # Llama-3.1-8B's shapes, the same replaced vocabulary (~4.5 GB in Q4_K_M)
+    "llama-3.1-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=49152),
     "tiny": dict(hidden=256, inter=768, layers=2, heads=4, kv_heads=2, vocab=512),
 }
 
@@ -176,7 +178,7 @@ def main(argv: Any = None) -> None:
     p.add_argument("--mix", default="q4_k_m", help="q4_k_m or one type name (Q8_0, Q4_0, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-from", default=None,
-                   help="GGUF whose BPE vocabulary to use (default for llama-3.2-1b: "
+                   help="GGUF whose BPE vocabulary to use (default for every shape but tiny: "
                         "pagellm's default model)")
     args = p.parse_args(argv)
     vocab_from = args.vocab_from

@@ -28,6 +28,12 @@
 #include "team.h"
 
 int pg_type_supported(int type);
+int pg_q8_supported(int type);
+void pg_quantize_q8_part(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX,
+                         float *DX, int32_t *SX, const pg_team *team);
+void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                     int64_t ldy, const pg_team *team);
 int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K);
 int64_t pg_gemm_scratch(int64_t K);
 void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
@@ -84,6 +90,8 @@ typedef struct {
 typedef struct {
     int64_t T, hidden, H, KVH, D, inter, NB, bs, table_stride, max_slots;
     int64_t direct_rows; /* GGUF products take pg_gemm up to this many rows, else pg_gemm_batched */
+    int64_t q8;          /* 1: up to direct_rows rows, GGUF groups pg_q8_supported takes
+                          * multiply int8-rounded activations (ggml_q8.c) */
     float eps, scale;
     const int64_t *positions, *slots, *table, *lo, *hi;
     const float *cos_table, *sin_table;
@@ -106,19 +114,40 @@ static int linear_supported(const pg_linear *L) {
 }
 
 /* Each thread's buffers: weight rows (`wrow`), attention scores; and the team's packed
- * rows of x (`xp`, for pg_gemm_batched). */
+ * rows of x (`xp`, for pg_gemm_batched) and x rounded to int8 (`qx`, `dx`, `sx`, for
+ * pg_gemm_q8). */
 typedef struct {
     float *wrow, *scores, *xp;
+    int8_t *qx;
+    float *dx;
+    int32_t *sx;
 } scratch;
+
+/* Whether linear L multiplies int8 activations for T rows (any group with a q8 kernel). */
+static int takes_q8(const pg_linear *L, int64_t T, const pg_step *s) {
+    if (!s->q8 || T > s->direct_rows || L->n_in % 32) return 0;
+    for (int64_t g = 0; g < L->n_groups; g++)
+        if (L->groups[g].block == 0 && pg_q8_supported((int)L->groups[g].type)) return 1;
+    return 0;
+}
 
 /* y = x @ W.T (+ bias) for T rows, with the kernel the module path picks for T rows:
  * this thread's columns of every group, then (after the team has met) its rows of the
  * bias. */
-static void linear(const pg_linear *L, const float *x, int64_t T, float *y, int64_t direct_rows,
+static void linear(const pg_linear *L, const float *x, int64_t T, float *y, const pg_step *s,
                    const scratch *sc, const pg_team *team) {
+    const int64_t direct_rows = s->direct_rows;
+    const int q8 = takes_q8(L, T, s);
+    if (q8) { /* x rounded once for every group */
+        pg_quantize_q8_part(x, L->n_in, T, L->n_in, sc->qx, sc->dx, sc->sx, team);
+        pg_team_sync(team);
+    }
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
-        if (w->block > 0)
+        if (q8 && w->block == 0 && pg_q8_supported((int)w->type))
+            pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx, sc->dx,
+                            sc->sx, T, y + w->row_start, L->n_out, team);
+        else if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
         else if (T <= direct_rows)
@@ -141,7 +170,6 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, int6
 
 static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
                           float *res, const scratch *sc, const pg_team *team) {
-    const int64_t dr = s->direct_rows;
     const int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
     for (int64_t l = 0; l < n_layers; l++) {
         const pg_layer *L = &layers[l];
@@ -153,7 +181,7 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
         pg_add_rms_norm_part(res, hid, l == 0 ? NULL : x, hid, L->norm1, T, hid, s->eps,
                              s->normed, hid, team);
         pg_team_sync(team);
-        linear(&L->qkv, s->normed, T, s->qkv, dr, sc, team);
+        linear(&L->qkv, s->normed, T, s->qkv, s, sc, team);
         pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
                      s->sin_table, team);
         pg_team_sync(team);
@@ -165,13 +193,13 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
                              s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
                              s->max_slots, s->scale, s->attn, sc->scores, team);
         pg_team_sync(team);
-        linear(&L->o, s->attn, T, x, dr, sc, team);
+        linear(&L->o, s->attn, T, x, s, sc, team);
         pg_add_rms_norm_part(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid, team);
         pg_team_sync(team);
-        linear(&L->gate_up, s->normed, T, s->gate_up, dr, sc, team);
+        linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
         pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
         pg_team_sync(team);
-        linear(&L->down, s->act, T, x, dr, sc, team);
+        linear(&L->down, s->act, T, x, s, sc, team);
     }
 }
 
@@ -198,16 +226,24 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
     const int64_t scores = (pg_paged_decode_scratch(s->max_slots) + 15) / 16 * 16;
     const int64_t threads = omp_get_max_threads();
+    /* then the team's x rows: packed (xp), and as int8 values, scales and sums per 16 (q8) */
+    const int64_t xp = (xp_floats + 15) / 16 * 16;
+    const int64_t q8_values = s->q8 ? (s->T * k_max + 63) / 64 * 64 : 0;
+    const int64_t q8_floats = (q8_values / 4 + 3 * (q8_values / 32) + 15) / 16 * 16;
     float *buf = (float *)aligned_alloc(
-        64, (size_t)(threads * (wrow + scores) + (xp_floats + 15) / 16 * 16) * sizeof(float));
+        64, (size_t)(threads * (wrow + scores) + xp + q8_floats) * sizeof(float));
     if (buf == NULL) return -1;
+    float *team_x = buf + threads * (wrow + scores);
+    int8_t *qx = (int8_t *)(team_x + xp);
+    float *dx = (float *)(qx + q8_values);
+    int32_t *sx = (int32_t *)(dx + q8_values / 32);
     pg_barrier barrier = {0};
     barrier.spin_ns = pg_team_spin_ns;
 #pragma omp parallel
     {
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
         float *mine = buf + team.ith * (wrow + scores);
-        const scratch sc = {mine, mine + wrow, buf + threads * (wrow + scores)};
+        const scratch sc = {mine, mine + wrow, team_x, qx, dx, sx};
         decode_layers(layers, n_layers, s, x, res, &sc, &team);
     }
     free(buf);

@@ -14,6 +14,10 @@
 #include <string.h>
 
 #include "ggml_common.h"
+#include "team.h"
+
+/* Products below this many multiply-adds run on the calling thread alone. */
+#define Q8_PARALLEL_MIN 262144
 
 enum { Q_Q4_0 = 2, Q_Q4_1 = 3, Q_Q5_0 = 6, Q_Q5_1 = 7, Q_Q8_0 = 8, Q_Q4_K = 12, Q_Q5_K = 13, Q_Q6_K = 14 };
 
@@ -32,25 +36,36 @@ int pg_q8_supported(int type) {
 #endif
 }
 
+/* One group of 32 values: q = round(x / d) (to nearest, ties to even), d = max|x| / 127,
+ * and the sums of q's two halves. */
+static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t s0 = 0, s1 = 0;
+    for (int j = 0; j < 32; j++) {
+        q[j] = (int8_t)lrintf(x[j] * inv);
+        if (j < 16) s0 += q[j]; else s1 += q[j];
+    }
+    *d_out = d;
+    s[0] = s0;
+    s[1] = s1;
+}
+
+/* Thread ith's share of the M * K/32 groups. */
+void pg_quantize_q8_part(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX,
+                         float *DX, int32_t *SX, const pg_team *team) {
+    const int64_t G = K / 32;
+    int64_t lo, hi;
+    pg_share(M * G, team, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++)
+        quantize_group(X + (i / G) * ldx + 32 * (i % G), QX + 32 * i, DX + i, SX + 2 * i);
+}
+
 void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX, float *DX,
                     int32_t *SX) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *x = X + m * ldx;
-        for (int64_t g = 0; g < K / 32; g++) {
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * g + j]));
-            float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = QX + m * K + 32 * g;
-            int32_t s0 = 0, s1 = 0;
-            for (int j = 0; j < 32; j++) {
-                q[j] = (int8_t)lrintf(x[32 * g + j] * inv);
-                if (j < 16) s0 += q[j]; else s1 += q[j];
-            }
-            DX[m * (K / 32) + g] = d;
-            SX[m * (K / 16) + 2 * g] = s0;
-            SX[m * (K / 16) + 2 * g + 1] = s1;
-        }
-    }
+    const pg_team alone = {0, 1, NULL};
+    pg_quantize_q8_part(X, ldx, M, K, QX, DX, SX, &alone);
 }
 
 #ifdef PG_AVX2
@@ -232,22 +247,296 @@ static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8
 }
 #endif
 
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+/* AVX-512 with VNNI (vpdpbusd on 64 bytes), chosen at run time like ggml_gemm.c's tiles.
+ * A weight row is unpacked into registers once and multiplied by up to ROWS512 input
+ * rows. Every type keeps the shape of the AVX2 kernels above: a 64-byte vector of
+ * unsigned weight values (offsets subtracted through the sums of x) against 64 int8
+ * activations, 16 int32 lanes of 4 products; lanes of one group share its scale, which a
+ * permute spreads from a vector of the super-block's (or 8 blocks') scales. */
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define ROWS512 4
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static int vnni512(void) {
+    static volatile int level = -1; /* a race writes the same value */
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    }
+    return level;
+}
+
+VNNI512 static ALWAYS_INLINE __m512i lane_div(int shift) { /* lane l -> l >> shift */
+    return _mm512_srli_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), shift);
+}
+
+/* The sums of x over 32 values for `n` (<= 8) groups, from the sums per 16 values. */
+VNNI512 static ALWAYS_INLINE __m256 sums32(const int32_t *s16, int n) {
+    const __mmask16 m = (__mmask16)((1u << (2 * n)) - 1);
+    __m256i a = _mm256_maskz_loadu_epi32((__mmask8)m, s16);
+    __m256i b = _mm256_maskz_loadu_epi32((__mmask8)(m >> 8), s16 + 8);
+    /* hadd: [g0 g1 g4 g5 | g2 g3 g6 g7] in 64-bit pairs, then the pairs in order */
+    return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
+}
+
+/* k4_scales in registers: bytes 0-7 the 8 scales, 8-15 the 8 minimums. */
+static ALWAYS_INLINE __m128i k4_scales_vec(const uint8_t *q) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, q, 4);
+    memcpy(&u1, q + 4, 4);
+    memcpy(&u2, q + 8, 4);
+    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, top = 0x30303030u;
+    return _mm_set_epi32((int)(((u2 >> 4) & four) | ((u1 >> 2) & top)), (int)(u1 & six),
+                         (int)((u2 & four) | ((u0 >> 2) & top)), (int)(u0 & six));
+}
+
+/* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block, groups 2j and 2j+1 the low
+ * and high nibbles of the same 32 bytes: one 64-byte vector per pair, and x's 64 values
+ * of the pair are consecutive. */
+VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, const int8_t *qx,
+                                           const float *dx, const int32_t *sx, int64_t K,
+                                           const int high5, const int R, float *y, int64_t ldy) {
+    const int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), lane8 = lane_div(3);
+    __m512 acc[ROWS512];
+    __m256 mins[ROWS512];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        mins[r] = _mm256_setzero_ps();
+    }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * bytes;
+        const __m128i smv = k4_scales_vec(b + 4);
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)),
+                                        _mm256_set1_ps(pg_f16(b)));
+        const __m256 mn = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))),
+            _mm256_set1_ps(pg_f16(b + 2)));
+        __m512 S[ROWS512];
+        for (int r = 0; r < R; r++) {
+            const __m256 d8 = _mm256_loadu_ps(dx + r * (K / 32) + 8 * sb);
+            S[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, d8));
+            mins[r] = _mm256_fmadd_ps(_mm256_mul_ps(mn, d8), sums32(sx + r * (K / 16) + 16 * sb, 8),
+                                      mins[r]);
+        }
+        const __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs_off + 32 * j));
+            __m512i w = _mm512_and_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
+            if (high5) {
+                const __m512i h = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j))),
+                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), 1);
+                w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+            }
+            const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(2 * j));
+            for (int r = 0; r < R; r++) {
+                const __m512i x = _mm512_loadu_si512(qx + r * K + 256 * sb + 64 * j);
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, S[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r * ldy] = _mm512_reduce_add_ps(acc[r]) - pg_hsum(mins[r]);
+}
+
+/* Q6_K: values u6 - 32, a scale per 16 values. A half super-block's 64 low-bit bytes are
+ * one vector whose low nibbles are its values 0-63 and high nibbles 64-127; the 2-bit
+ * high parts come from 32 bytes shifted by 0/2 and 4/6. */
+VNNI512 static ALWAYS_INLINE void q6k_rows(const uint8_t *row, int64_t nsb, const int8_t *qx,
+                                           const float *dx, const int32_t *sx, int64_t K,
+                                           const int R, float *y, int64_t ldy) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
+    const __m512i lane4 = lane_div(2), lane2 = lane_div(1);
+    __m512 acc[ROWS512], off[ROWS512];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = row + sb * 210;
+        const __m512 sc = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+            _mm512_set1_ps(pg_f16(b + 208)));
+        __m512 S[ROWS512];
+        for (int r = 0; r < R; r++) {
+            const __m512 d16 = _mm512_permutexvar_ps(
+                lane2, _mm512_castps256_ps512(_mm256_loadu_ps(dx + r * (K / 32) + 8 * sb)));
+            S[r] = _mm512_mul_ps(sc, d16);
+            off[r] = _mm512_fmadd_ps(
+                S[r], _mm512_cvtepi32_ps(_mm512_loadu_si512(sx + r * (K / 16) + 16 * sb)), off[r]);
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m512i ha = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+            const __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srli_epi16(qh, 4)),
+                                                  _mm256_srli_epi16(qh, 6), 1);
+            const __m512i wa = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                               _mm512_slli_epi16(_mm512_and_si512(ha, three), 4));
+            const __m512i wb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                               _mm512_slli_epi16(_mm512_and_si512(hb, three), 4));
+            const __m512i ia = _mm512_add_epi32(lane4, _mm512_set1_epi32(8 * h));
+            const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(4));
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = qx + r * K + 256 * sb + 128 * h;
+                const __m512i pa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, _mm512_loadu_si512(x));
+                const __m512i pb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, _mm512_loadu_si512(x + 64));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), _mm512_permutexvar_ps(ia, S[r]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), _mm512_permutexvar_ps(ib, S[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[r * ldy] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(off[r]);
+}
+
+/* Q4_0, Q4_1, Q8_0: blocks of 32 with a float16 scale first (and Q4_1's minimum next),
+ * taken 8 blocks at a time (the last chunk may be shorter), two blocks per vector. */
+VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, int64_t groups,
+                                           const int8_t *qx, const float *dx, const int32_t *sx,
+                                           int64_t K, const int R, float *y, int64_t ldy) {
+    const int64_t bytes = type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34;
+    const int qs_off = type == Q_Q4_1 ? 4 : 2;
+    /* the weights' offset, through the sums of x: Q4_0 stores w + 8, Q8_0 is shifted by 128 */
+    const float offset = type == Q_Q4_0 ? -8.0f : type == Q_Q8_0 ? -128.0f : 0.0f;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), lane8 = lane_div(3);
+    const __m512i halves = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m256i block_at = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm256_set1_epi32((int)bytes));
+    __m512 acc[ROWS512];
+    __m256 off[ROWS512];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        off[r] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int n = groups - g0 < 8 ? (int)(groups - g0) : 8;
+        /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum */
+        const __m256i head = _mm256_mmask_i32gather_epi32(
+            _mm256_setzero_si256(), (__mmask8)((1u << n) - 1), block_at,
+            (const int *)(row + g0 * bytes), 1);
+        const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
+        const __m256 m8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)));
+        __m512 S[ROWS512];
+        for (int r = 0; r < R; r++) {
+            const __m256 dxv = _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), dx + r * (K / 32) + g0);
+            const __m256 s = _mm256_mul_ps(d8, dxv);
+            S[r] = _mm512_castps256_ps512(s);
+            const __m256 coef = type == Q_Q4_1 ? _mm256_mul_ps(m8, dxv) : _mm256_mul_ps(s, _mm256_set1_ps(offset));
+            off[r] = _mm256_fmadd_ps(coef, sums32(sx + r * (K / 16) + 2 * g0, n), off[r]);
+        }
+        for (int p = 0; p < n; p += 2) {
+            const uint8_t *b0 = row + (g0 + p) * bytes, *b1 = p + 1 < n ? b0 + bytes : b0;
+            __m512i w;
+            if (type == Q_Q8_0) {
+                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+                w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+            } else {
+                const __m256i q = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qs_off))),
+                    _mm_loadu_si128((const __m128i *)(b1 + qs_off)), 1);
+                const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(q, _mm512_castsi512_si256(low4)));
+                const __m512i hi = _mm512_castsi256_si512(
+                    _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(low4)));
+                w = _mm512_permutex2var_epi64(lo, halves, hi);
+            }
+            const __mmask64 xm = p + 1 < n ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
+            const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(p));
+            for (int r = 0; r < R; r++) {
+                const __m512i x = _mm512_maskz_loadu_epi8(xm, qx + r * K + 32 * (g0 + p));
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + pg_hsum(off[r]);
+}
+
+#define BY_ROWS(CALL_R)   \
+    switch (R) {          \
+        case 1: CALL_R(1); break; \
+        case 2: CALL_R(2); break; \
+        case 3: CALL_R(3); break; \
+        default: CALL_R(4); break; \
+    }
+
+/* y[r * ldy] for the R (<= ROWS512) input rows at qx; 0 where the type has no AVX-512
+ * kernel here (the AVX2 one runs). */
+VNNI512 static int rows512(int type, const uint8_t *row, int64_t K, const int8_t *qx,
+                           const float *dx, const int32_t *sx, int R, float *y, int64_t ldy) {
+    switch (type) {
+        case Q_Q4_K:
+#define K4(r) k45_rows(row, K / 256, qx, dx, sx, K, 0, r, y, ldy)
+            BY_ROWS(K4)
+            return 1;
+        case Q_Q5_K:
+#define K5(r) k45_rows(row, K / 256, qx, dx, sx, K, 1, r, y, ldy)
+            BY_ROWS(K5)
+            return 1;
+        case Q_Q6_K:
+#define K6(r) q6k_rows(row, K / 256, qx, dx, sx, K, r, y, ldy)
+            BY_ROWS(K6)
+            return 1;
+        case Q_Q4_0:
+#define B40(r) b32_rows(Q_Q4_0, row, K / 32, qx, dx, sx, K, r, y, ldy)
+            BY_ROWS(B40)
+            return 1;
+        case Q_Q4_1:
+#define B41(r) b32_rows(Q_Q4_1, row, K / 32, qx, dx, sx, K, r, y, ldy)
+            BY_ROWS(B41)
+            return 1;
+        case Q_Q8_0:
+#define B80(r) b32_rows(Q_Q8_0, row, K / 32, qx, dx, sx, K, r, y, ldy)
+            BY_ROWS(B80)
+            return 1;
+        default:
+            return 0;
+    }
+}
+#endif
+
+/* Thread ith's share of Y[m, n] (rows ldy apart) = W row n . quantized input row m. */
+void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                     int64_t ldy, const pg_team *team) {
+#ifdef PG_AVX2
+    int64_t n0, n1;
+    pg_share_if(N * K * M >= Q8_PARALLEL_MIN, N, team, &n0, &n1);
+#ifdef PG_X86_DISPATCH
+    const int wide = vnni512();
+#else
+    const int wide = 0;
+#endif
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = W + n * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+#ifdef PG_X86_DISPATCH
+            if (wide && rows512(type, row, K, QX + m0 * K, DX + m0 * (K / 32), SX + m0 * (K / 16),
+                                R, Y + m0 * ldy + n, ldy))
+                continue;
+#endif
+            for (int64_t m = m0; m < m0 + R; m++)
+                Y[m * ldy + n] = dot_row_q8(type, row, K / 32, QX + m * K, DX + m * (K / 32),
+                                            SX + m * (K / 16));
+        }
+    }
+#else
+    (void)type; (void)W; (void)row_bytes; (void)N; (void)K; (void)QX; (void)DX; (void)SX;
+    (void)M; (void)Y; (void)ldy; (void)team;
+#endif
+}
+
 /* Y[m, n] (rows ldy apart) for the quantized input rows from pg_quantize_q8. */
 int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32) return -1;
-#ifdef PG_AVX2
-#pragma omp parallel for schedule(static) if (N * K * M >= 262144)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = W + n * row_bytes;
-        for (int64_t m = 0; m < M; m++)
-            Y[m * ldy + n] = dot_row_q8(type, row, K / 32, QX + m * K, DX + m * (K / 32),
-                                        SX + m * (K / 16));
-    }
+    PG_TEAM_RUN(N * K * M >= Q8_PARALLEL_MIN,
+                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, &team));
     return 0;
-#else
-    (void)W; (void)row_bytes; (void)N; (void)QX; (void)DX; (void)SX; (void)M; (void)Y; (void)ldy;
-    return -1;
-#endif
 }

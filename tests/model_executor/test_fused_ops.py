@@ -178,14 +178,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-def test_fused_decode_stack_equals_module_path(tmp_path: Any) -> None:
+@pytest.mark.parametrize("activations", ["float32", "q8"])
+def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-region stack (GGUF Q4_K_M mix: q|k and v in different types, so a fused
     linear of two groups) takes every step here, decodes of one and several rows and steps
     with prompt chunks (a first prompt, a chunk beside a decode, a chunk over its own
     cached start), whose rows it attends as decodes over the cache where the module path
-    runs SDPA: logits within 1e-5 of the module path's. (On the same cache a decode step
-    is bit for bit the module path's: test_fused_decode_stack_splits_every_kernel.)"""
+    runs SDPA: logits within 1e-5 of the module path's, on the exact path (float32
+    activations) and on int8 activations. (On the same cache a decode step is bit for bit
+    the module path's: test_fused_decode_stack_splits_every_kernel.)"""
     from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", activations)
 
     path = str(tmp_path / "tiny-q4_k_m.gguf")
     write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=1)
@@ -206,6 +211,7 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any) -> None:
     ]
     fused, modules, took = _stack_against_modules(model, mc, add, steps, block_size=4)
     assert took == [True] * len(steps)
+    assert model.model.fused_decode._step.q8 == (activations == "q8")
     for f, m in zip(fused, modules):
         _close(f, m)
 

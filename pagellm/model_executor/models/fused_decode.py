@@ -58,7 +58,7 @@ class _Layer(ctypes.Structure):  # pg_layer
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
-                              "table_stride", "max_slots", "direct_rows")],
+                              "table_stride", "max_slots", "direct_rows", "q8")],
         ("eps", _f32), ("scale", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "cos_table",
                               "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
@@ -66,14 +66,24 @@ class _Step(ctypes.Structure):  # pg_step
 
 
 def _weight_groups(layer: Linear) -> list[Any] | None:
-    """The weight as the C products take it: GGUF block groups (float32 activations), or
-    one float32 weight (`DenseF32Weight`, plain or oneDNN-packed); None otherwise."""
+    """The weight as the C products take it: GGUF block groups (float32 or int8
+    activations), or one float32 weight (`DenseF32Weight`, plain or oneDNN-packed); None
+    otherwise."""
     method = layer.quant_method
     if isinstance(method, GGUFLinearMethod):
-        return None if method.q8_activations or not layer.weight_groups else layer.weight_groups
+        return layer.weight_groups or None
     if isinstance(method, UnquantizedLinearMethod) and layer.dense_f32 is not None:
         return [layer.dense_f32]
     return None
+
+
+def _q8_activations(model: Any) -> bool:
+    """Whether the model's GGUF linears round decode-sized activations to int8 (one
+    setting for the whole model: GGUFConfig.activations)."""
+    methods = [m.quant_method for layer in model.layers for m in _linears(layer)]
+    q8 = {m.q8_activations for m in methods if isinstance(m, GGUFLinearMethod)}
+    assert len(q8) <= 1, "one activation setting per model"
+    return q8 == {True}
 
 
 def _max_rows(layer: Linear) -> int:
@@ -164,6 +174,7 @@ class FusedDecodeStack:
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
         s.eps, s.scale, s.direct_rows = self.eps, self.scale, DIRECT_MAX_ROWS
+        s.q8 = int(_q8_activations(model))
         s.cos_table = model.rotary_emb.cos_cache.data_ptr()
         s.sin_table = model.rotary_emb.sin_cache.data_ptr()
         self._layers_ptr = ctypes.addressof(self._layers)
