@@ -97,8 +97,10 @@ def make_tiny_model(family: str, tmp_path_factory: Any, seed: int = 0, **overrid
 
 def make_model_config(
     path: str, dtype: torch.dtype = torch.float32, max_model_len: int = 512,
-    quantization: str | None = None,
+    quantization: str | None = None, gguf_activations: str = "auto",
 ) -> ModelConfig:
+    """A ModelConfig as EngineArgs builds it; `gguf_activations` 'auto' is resolved when
+    the model loads (PAGELLM_GGUF_ACTIVATIONS, else the CPU rule)."""
     from pagellm.model_executor.loader import load_generation_config, load_hf_config
 
     return ModelConfig(
@@ -112,6 +114,7 @@ def make_model_config(
         hf_config=load_hf_config(path),
         generation_config=load_generation_config(path),
         quantization=quantization,
+        gguf_activations=gguf_activations,
     )
 
 

@@ -111,6 +111,12 @@ class ForwardContext:
     attn_metadata: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # indexed by layer
 
+    @property
+    def decode_rows(self) -> slice | torch.Tensor | None:
+        """Rows of the step's flattened batch that are one-token decodes (a slice when
+        contiguous), as the backend's metadata gives them (`decode_rows`); None: none."""
+        return getattr(self.attn_metadata, "decode_rows", None)
+
 
 _forward_context: ForwardContext | None = None
 
@@ -124,6 +130,11 @@ def set_forward_context(attn_metadata: Any, kv_caches: list) -> Iterator[None]:
         yield
     finally:
         _forward_context = prev
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The forward pass under way, or None outside one (e.g. the logits head)."""
+    return _forward_context
 
 
 def get_forward_context() -> ForwardContext:

@@ -136,6 +136,11 @@ class TorchAttentionMetadata:
     """Every row as its own decode (`RowAttention`), made for steps with a prompt chunk
     and at most `ROW_ATTENTION_MAX_ROWS` rows."""
 
+    @property
+    def decode_rows(self) -> slice | torch.Tensor | None:
+        """Rows of the one-token decodes (ForwardContext.decode_rows)."""
+        return None if self.decode is None else self.decode.rows
+
 
 ROW_ATTENTION_MAX_ROWS = 256
 """Steps with prompt chunks up to this many rows get `RowAttention`; it is also the

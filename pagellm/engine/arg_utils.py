@@ -143,6 +143,9 @@ class EngineArgs:
     """Tensor parallelism (only 1 is supported)."""
     quantization: str | None = None
     """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
+    gguf_activations: str = "auto"
+    """Activations of a GGUF file's linears in decode-sized steps (up to 8 rows; larger
+    prompt chunks always multiply float32): 'q8' rounds them to int8 per 32 values and multiplies in integers, as llama.cpp does (faster; within measured bounds of the exact path); 'float32' keeps the exact path (the file's weights times float32 activations, greedy parity with transformers); 'auto' is q8 where this CPU has the int8 kernels (x86 with AVX2; AVX-512 VNNI or AVX-VNNI where present), else float32. PAGELLM_GGUF_ACTIVATIONS, when set, replaces 'auto'."""
     attention_backend: str = "torch"
     """Attention backend (pagellm.attention): 'torch' (paged KV cache, SDPA prefill, embedding_bag decode)."""
     compilation_config: Any = None
@@ -260,6 +263,7 @@ class EngineArgs:
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),
             max_logprobs=self.max_logprobs,
+            gguf_activations=self._resolve_gguf_activations(model_path, device),
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -328,6 +332,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
+        from pagellm.model_executor.layers.quantization import check_gguf_activations
+
+        check_gguf_activations(self.gguf_activations, "gguf_activations")
         self._verify_structured_outputs()
         if self.attention_backend not in available_attn_backends():
             raise ValueError(
@@ -379,6 +386,11 @@ class EngineArgs:
         from pagellm.model_executor.layers.quantization import resolve_quantization
 
         return resolve_quantization(self.quantization, model_path, device)
+
+    def _resolve_gguf_activations(self, model_path: str, device: str) -> str:
+        from pagellm.model_executor.layers.quantization import resolve_gguf_activations
+
+        return resolve_gguf_activations(self.gguf_activations)
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         from pagellm.model_executor.arch_config import context_length

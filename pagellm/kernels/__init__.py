@@ -5,7 +5,8 @@ the system's C compiler at first use and cached under
 - `ggml_cpu.c`: GGUF block-quantized weights x float32 activations (quantization/gguf.py)
 - `ggml_gemm.c`: the same for many input rows: weight rows dequantized a cache-sized
   block at a time and used against every row (batched decode, prefill)
-- `ggml_q8.c`: the same weights x int8-rounded activations (opt-in, llama.cpp's way)
+- `ggml_q8.c`: the same weights x int8-rounded activations (llama.cpp's way; the default
+  for decode-sized steps where the CPU has AVX2: AVX-512 VNNI kernels chosen at run time)
 - `dense_f32.c`: float32 weights read in place from torch's oneDNN-packed copy, for a
   few input rows (layers/linear.py)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
@@ -59,11 +60,17 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def simd_flags_available() -> bool:
+    """Whether the SIMD build of the library gets AVX2 (x86 with AVX2, FMA and F16C): the
+    condition of the int8-activation kernels (ggml_q8.c) and the AVX2 paths."""
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
 def _compile_flags(simd: bool) -> list[str]:
     flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c11", "-fno-math-errno"]
     if not simd:
         return [*flags, "-DPG_NO_SIMD"]
-    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if simd_flags_available():
         flags += ["-mavx2", "-mfma", "-mf16c"]
         if "avx_vnni" in _cpu_flags():  # 8-bit dot products in one instruction (ggml_q8.c)
             flags.append("-mavxvnni")
@@ -143,6 +150,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_quantize_q8.restype = None
     lib.pg_gemm_q8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
     lib.pg_gemm_q8.restype = ctypes.c_int
+    lib.pg_q8_isa.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64,
                                     ptr, ptr, i64, ctypes.c_float, ptr]
     lib.pg_paged_decode.restype = ctypes.c_int

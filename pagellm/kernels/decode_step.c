@@ -29,11 +29,11 @@
 
 int pg_type_supported(int type);
 int pg_q8_supported(int type);
-void pg_quantize_q8_part(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX,
-                         float *DX, int32_t *SX, const pg_team *team);
+void pg_quantize_q8_part(const float *X, int64_t ldx, const int64_t *rows, int64_t M,
+                         int64_t K, int8_t *QX, float *DX, int32_t *SX, const pg_team *team);
 void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-                     int64_t ldy, const pg_team *team);
+                     int64_t ldy, const int64_t *yrows, const pg_team *team);
 int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K);
 int64_t pg_gemm_scratch(int64_t K);
 void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
@@ -90,10 +90,11 @@ typedef struct {
 typedef struct {
     int64_t T, hidden, H, KVH, D, inter, NB, bs, table_stride, max_slots;
     int64_t direct_rows; /* GGUF products take pg_gemm up to this many rows, else pg_gemm_batched */
-    int64_t q8;          /* 1: up to direct_rows rows, GGUF groups pg_q8_supported takes
-                          * multiply int8-rounded activations (ggml_q8.c) */
+    int64_t n_q8;        /* rows whose products with the GGUF groups pg_q8_supported takes
+                          * multiply int8-rounded activations (ggml_q8.c): the step's
+                          * decodes, q8_rows[i] (NULL: rows 0 .. n_q8-1); 0: none */
     float eps, scale;
-    const int64_t *positions, *slots, *table, *lo, *hi;
+    const int64_t *positions, *slots, *table, *lo, *hi, *q8_rows;
     const float *cos_table, *sin_table;
     float *normed; /* hidden */
     float *qkv;    /* (H + 2 KVH) D */
@@ -123,11 +124,16 @@ typedef struct {
     int32_t *sx;
 } scratch;
 
-/* Whether linear L multiplies int8 activations for T rows (any group with a q8 kernel). */
-static int takes_q8(const pg_linear *L, int64_t T, const pg_step *s) {
-    if (!s->q8 || T > s->direct_rows || L->n_in % 32) return 0;
+static int q8_group(const pg_weight_group *w) {
+    return w->block == 0 && pg_q8_supported((int)w->type);
+}
+
+/* Whether linear L multiplies int8 activations for the step's q8 rows (any group with a
+ * q8 kernel). */
+static int takes_q8(const pg_linear *L, const pg_step *s) {
+    if (s->n_q8 == 0 || L->n_in % 32) return 0;
     for (int64_t g = 0; g < L->n_groups; g++)
-        if (L->groups[g].block == 0 && pg_q8_supported((int)L->groups[g].type)) return 1;
+        if (q8_group(&L->groups[g])) return 1;
     return 0;
 }
 
@@ -137,16 +143,19 @@ static int takes_q8(const pg_linear *L, int64_t T, const pg_step *s) {
 static void linear(const pg_linear *L, const float *x, int64_t T, float *y, const pg_step *s,
                    const scratch *sc, const pg_team *team) {
     const int64_t direct_rows = s->direct_rows;
-    const int q8 = takes_q8(L, T, s);
-    if (q8) { /* x rounded once for every group */
-        pg_quantize_q8_part(x, L->n_in, T, L->n_in, sc->qx, sc->dx, sc->sx, team);
+    /* every row int8 (a decode step), or some (the decodes beside prompt chunks: every row
+     * float32 first, then the decode rows' columns of q8 groups again, in int8) */
+    const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
+    if (q8) { /* the q8 rows rounded once for every group */
+        pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, sc->qx, sc->dx, sc->sx,
+                            team);
         pg_team_sync(team);
     }
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
-        if (q8 && w->block == 0 && pg_q8_supported((int)w->type))
+        if (every && q8_group(w))
             pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx, sc->dx,
-                            sc->sx, T, y + w->row_start, L->n_out, team);
+                            sc->sx, T, y + w->row_start, L->n_out, s->q8_rows, team);
         else if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
@@ -159,6 +168,16 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
                                  team);
     }
     pg_team_sync(team);
+    if (q8 && !every) {
+        for (int64_t g = 0; g < L->n_groups; g++) {
+            const pg_weight_group *w = &L->groups[g];
+            if (q8_group(w))
+                pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx,
+                                sc->dx, sc->sx, s->n_q8, y + w->row_start, L->n_out, s->q8_rows,
+                                team);
+        }
+        pg_team_sync(team);
+    }
     if (L->bias != NULL) {
         int64_t t0, t1;
         pg_share(T, team, &t0, &t1);
@@ -228,7 +247,7 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     const int64_t threads = omp_get_max_threads();
     /* then the team's x rows: packed (xp), and as int8 values, scales and sums per 16 (q8) */
     const int64_t xp = (xp_floats + 15) / 16 * 16;
-    const int64_t q8_values = s->q8 ? (s->T * k_max + 63) / 64 * 64 : 0;
+    const int64_t q8_values = s->n_q8 > 0 ? (s->n_q8 * k_max + 63) / 64 * 64 : 0;
     const int64_t q8_floats = (q8_values / 4 + 3 * (q8_values / 32) + 15) / 16 * 16;
     float *buf = (float *)aligned_alloc(
         64, (size_t)(threads * (wrow + scores) + xp + q8_floats) * sizeof(float));

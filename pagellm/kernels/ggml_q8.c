@@ -21,6 +21,12 @@
 
 enum { Q_Q4_0 = 2, Q_Q4_1 = 3, Q_Q5_0 = 6, Q_Q5_1 = 7, Q_Q8_0 = 8, Q_Q4_K = 12, Q_Q5_K = 13, Q_Q6_K = 14 };
 
+/* 0: the AVX2 kernels even where AVX-512 VNNI is present (tests compare the two). */
+int pg_q8_wide = 1;
+
+/* 2: AVX-512 VNNI kernels, 1: AVX2 (VNNI where built with AVX-VNNI), 0: none. */
+int pg_q8_isa(void);
+
 int pg_q8_supported(int type) {
 #ifdef PG_AVX2
     switch (type) {
@@ -52,20 +58,23 @@ static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) 
     s[1] = s1;
 }
 
-/* Thread ith's share of the M * K/32 groups. */
-void pg_quantize_q8_part(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX,
-                         float *DX, int32_t *SX, const pg_team *team) {
+/* Thread ith's share of the M * K/32 groups; quantized row m is row rows[m] of X
+ * (rows NULL: row m). */
+void pg_quantize_q8_part(const float *X, int64_t ldx, const int64_t *rows, int64_t M,
+                         int64_t K, int8_t *QX, float *DX, int32_t *SX, const pg_team *team) {
     const int64_t G = K / 32;
     int64_t lo, hi;
     pg_share(M * G, team, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++)
-        quantize_group(X + (i / G) * ldx + 32 * (i % G), QX + 32 * i, DX + i, SX + 2 * i);
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t m = i / G, r = rows != NULL ? rows[m] : m;
+        quantize_group(X + r * ldx + 32 * (i % G), QX + 32 * i, DX + i, SX + 2 * i);
+    }
 }
 
 void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX, float *DX,
                     int32_t *SX) {
     const pg_team alone = {0, 1, NULL};
-    pg_quantize_q8_part(X, ldx, M, K, QX, DX, SX, &alone);
+    pg_quantize_q8_part(X, ldx, NULL, M, K, QX, DX, SX, &alone);
 }
 
 #ifdef PG_AVX2
@@ -265,7 +274,7 @@ static int vnni512(void) {
         level = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     }
-    return level;
+    return level && pg_q8_wide;
 }
 
 VNNI512 static ALWAYS_INLINE __m512i lane_div(int shift) { /* lane l -> l >> shift */
@@ -499,10 +508,11 @@ VNNI512 static int rows512(int type, const uint8_t *row, int64_t K, const int8_t
 }
 #endif
 
-/* Thread ith's share of Y[m, n] (rows ldy apart) = W row n . quantized input row m. */
+/* Thread ith's share of Y[m, n] (rows ldy apart) = W row n . quantized input row m;
+ * with `yrows`, row m of the result goes to row yrows[m] of Y. */
 void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-                     int64_t ldy, const pg_team *team) {
+                     int64_t ldy, const int64_t *yrows, const pg_team *team) {
 #ifdef PG_AVX2
     int64_t n0, n1;
     pg_share_if(N * K * M >= Q8_PARALLEL_MIN, N, team, &n0, &n1);
@@ -515,19 +525,22 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
         const uint8_t *row = W + n * row_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+            float out[4];
+            int done = 0;
 #ifdef PG_X86_DISPATCH
-            if (wide && rows512(type, row, K, QX + m0 * K, DX + m0 * (K / 32), SX + m0 * (K / 16),
-                                R, Y + m0 * ldy + n, ldy))
-                continue;
+            done = wide && rows512(type, row, K, QX + m0 * K, DX + m0 * (K / 32),
+                                   SX + m0 * (K / 16), R, out, 1);
 #endif
-            for (int64_t m = m0; m < m0 + R; m++)
-                Y[m * ldy + n] = dot_row_q8(type, row, K / 32, QX + m * K, DX + m * (K / 32),
-                                            SX + m * (K / 16));
+            for (int r = 0; r < R && !done; r++)
+                out[r] = dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
+                                    DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
+            for (int r = 0; r < R; r++)
+                Y[(yrows != NULL ? yrows[m0 + r] : m0 + r) * ldy + n] = out[r];
         }
     }
 #else
     (void)type; (void)W; (void)row_bytes; (void)N; (void)K; (void)QX; (void)DX; (void)SX;
-    (void)M; (void)Y; (void)ldy; (void)team;
+    (void)M; (void)Y; (void)ldy; (void)yrows; (void)team;
 #endif
 }
 
@@ -537,6 +550,17 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32) return -1;
     PG_TEAM_RUN(N * K * M >= Q8_PARALLEL_MIN,
-                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, &team));
+                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, NULL, &team));
     return 0;
+}
+
+int pg_q8_isa(void) {
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+    if (vnni512()) return 2;
+#endif
+#ifdef PG_AVX2
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -211,7 +211,7 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
     ]
     fused, modules, took = _stack_against_modules(model, mc, add, steps, block_size=4)
     assert took == [True] * len(steps)
-    assert model.model.fused_decode._step.q8 == (activations == "q8")
+    assert model.model.fused_decode.q8 == (activations == "q8")
     for f, m in zip(fused, modules):
         _close(f, m)
 

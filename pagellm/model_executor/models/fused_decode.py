@@ -34,6 +34,7 @@ from pagellm.model_executor.layers.quantization.gguf import (
     BATCHED_MAX_ROWS,
     DIRECT_MAX_ROWS,
     GGUFLinearMethod,
+    int8_rows,
 )
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
@@ -58,9 +59,9 @@ class _Layer(ctypes.Structure):  # pg_layer
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
-                              "table_stride", "max_slots", "direct_rows", "q8")],
+                              "table_stride", "max_slots", "direct_rows", "n_q8")],
         ("eps", _f32), ("scale", _f32),
-        *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "cos_table",
+        *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "q8_rows", "cos_table",
                               "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
     ]  # fmt: skip
 
@@ -173,12 +174,35 @@ class FusedDecodeStack:
             setattr(self._step, name, buf.data_ptr())
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
-        s.eps, s.scale, s.direct_rows = self.eps, self.scale, DIRECT_MAX_ROWS
-        s.q8 = int(_q8_activations(model))
+        self.q8 = _q8_activations(model)
+        """Whether the step's decode rows multiply int8 activations (int8_rows); the float
+        rows then take the batched kernel at any count, as on the module path."""
+        s.eps, s.scale, s.direct_rows = self.eps, self.scale, 0 if self.q8 else DIRECT_MAX_ROWS
         s.cos_table = model.rotary_emb.cos_cache.data_ptr()
         s.sin_table = model.rotary_emb.sin_cache.data_ptr()
         self._layers_ptr = ctypes.addressof(self._layers)
         self._step_ptr = ctypes.addressof(self._step)
+
+    def _bind_q8_rows(self, rows: slice | torch.Tensor | None, a: int, b: int) -> Any:
+        """Point the step at the int8 rows among rows [a, b) (relative to a); returns the
+        index tensor the pointer refers to (None: rows 0 .. n-1, or no rows)."""
+        s = self._step
+        s.n_q8, s.q8_rows = 0, None
+        if rows is None:
+            return None
+        if isinstance(rows, slice):
+            lo, hi = max(rows.start, a), min(rows.stop, b)
+            if lo >= hi:
+                return None
+            if lo == a and hi == b:  # every row of the call
+                s.n_q8 = b - a
+                return None
+            index = torch.arange(lo - a, hi - a, dtype=torch.int64)
+        else:
+            index = rows[(rows >= a) & (rows < b)].to(torch.int64) - a
+        index = index.contiguous()
+        s.n_q8, s.q8_rows = index.numel(), index.data_ptr() if index.numel() else None
+        return index
 
     @classmethod
     def build(cls, model: Any) -> FusedDecodeStack | None:
@@ -224,9 +248,11 @@ class FusedDecodeStack:
         s, width = self._step, x.shape[1]
         s.NB, s.bs, s.max_slots, s.table_stride = self.NB, self.bs, rows.max_slots, table.stride(0)
         res = torch.empty_like(x)
+        q8_rows = int8_rows(t) if self.q8 else None
         for a in range(0, t, self.max_rows):
             b = min(t, a + self.max_rows)
             s.T = b - a
+            keep = self._bind_q8_rows(q8_rows, a, b)  # noqa: F841 (alive through the call)
             s.table = table.data_ptr() + a * table.stride(0) * 8  # int64 rows
             s.lo, s.hi = lo.data_ptr() + a * 8, hi.data_ptr() + a * 8
             s.positions = rope.positions.data_ptr() + a * 8

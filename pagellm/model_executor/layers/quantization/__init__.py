@@ -27,6 +27,43 @@ QUANTIZATION_METHODS = ("gguf",)
 """Names `--quantization` takes besides 'none' (dequantize / keep the checkpoint dtype)."""
 
 
+GGUF_ACTIVATIONS = ("auto", "float32", "q8")
+"""Values of EngineArgs.gguf_activations and PAGELLM_GGUF_ACTIVATIONS."""
+
+
+def check_gguf_activations(value: str, name: str = "PAGELLM_GGUF_ACTIVATIONS") -> None:
+    """Refuse a value outside GGUF_ACTIVATIONS, naming the option (the engine argument or
+    the environment variable)."""
+    if value not in GGUF_ACTIVATIONS:
+        raise ValueError(f"{name}={value!r}: choose one of {', '.join(GGUF_ACTIVATIONS)}")
+
+
+def q8_kernels_available() -> bool:
+    """Whether the kernel library built on this CPU has the int8-activation kernels
+    (ggml_q8.c: x86 with AVX2, FMA and F16C, the library's SIMD build), read from the CPU's
+    flags without building or loading anything."""
+    from pagellm import kernels
+
+    return kernels.simd_flags_available()
+
+
+def resolve_gguf_activations(requested: str) -> str:
+    """'q8' or 'float32' for `requested` (an EngineArgs.gguf_activations value). 'auto'
+    takes PAGELLM_GGUF_ACTIVATIONS when set, else the fixed rule: q8 where the CPU has the
+    int8 kernels (measured faster there at every shape the stack runs, 135M to 8B:
+    benchmarks/README.md), float32 elsewhere. One machine and one model always get the
+    same numerics: no timing decides."""
+    from pagellm import envs
+
+    check_gguf_activations(requested, "gguf_activations")
+    if requested == "auto":
+        requested = envs.PAGELLM_GGUF_ACTIVATIONS or "auto"
+        check_gguf_activations(requested)
+    if requested == "auto":
+        return "q8" if q8_kernels_available() else "float32"
+    return requested
+
+
 def resolve_quantization(requested: str | None, model_path: str, device: str) -> str | None:
     """The method a model runs with: None (weights in the model dtype) or a name from
     QUANTIZATION_METHODS. `requested` None detects it from the checkpoint ('gguf' for a
@@ -36,12 +73,10 @@ def resolve_quantization(requested: str | None, model_path: str, device: str) ->
     from pagellm import envs
 
     activations = envs.PAGELLM_GGUF_ACTIVATIONS
-    if activations != "float32":  # the default is valid; gguf.py imports torch (seconds)
-        from pagellm.model_executor.layers.quantization.gguf import check_activations
-
-        check_activations(activations)
+    if activations:
+        check_gguf_activations(activations)
     method = _resolve_method(requested, model_path, device)
-    if method != "gguf" and activations != "float32":
+    if method != "gguf" and activations not in ("", "auto"):
         logger.warning("PAGELLM_GGUF_ACTIVATIONS=%s is ignored: %s does not run on GGUF blocks",
                        activations, model_path)
     return method
@@ -94,18 +129,22 @@ def get_quantization_config(model_config: Any) -> QuantizationConfig | None:
     if name is None:
         return None
     if name == "gguf":
-        from pagellm import envs
         from pagellm.model_executor.layers.quantization.gguf import GGUFConfig
 
-        return GGUFConfig(model_config.model_path, envs.PAGELLM_GGUF_ACTIVATIONS)
+        activations = resolve_gguf_activations(getattr(model_config, "gguf_activations", "auto"))
+        return GGUFConfig(model_config.model_path, activations)
     raise ValueError(f"unknown quantization method {name!r}")
 
 
 __all__ = [
+    "GGUF_ACTIVATIONS",
     "QUANTIZATION_METHODS",
     "QuantizationConfig",
     "QuantizeMethodBase",
+    "check_gguf_activations",
     "get_quantization_config",
+    "q8_kernels_available",
+    "resolve_gguf_activations",
     "resolve_quantization",
 ]
 

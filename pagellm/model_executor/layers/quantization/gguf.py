@@ -41,6 +41,11 @@ DIRECT_MAX_ROWS = 8
 BATCHED_MAX_ROWS = 256
 """Input rows up to which `pg_gemm_batched` runs; above, dequantized tiles + matmul."""
 
+Q8_MAX_ROWS = 16
+"""Most rows of one product that multiply int8 activations (the q8 path): a step's decode
+rows, or a logits head's rows. Past it every row takes float32, where the batched float
+kernels are faster (benchmarks/kernels.py)."""
+
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
 
@@ -63,25 +68,30 @@ class WeightGroup:
 
 
 ACTIVATIONS = ("float32", "q8")
+"""Resolved activation paths (quantization.resolve_gguf_activations picks one)."""
 
-
-def check_activations(activations: str) -> None:
-    """Refuse a PAGELLM_GGUF_ACTIVATIONS value other than ACTIVATIONS, by name."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(
-            f"PAGELLM_GGUF_ACTIVATIONS={activations!r}: choose one of {', '.join(ACTIVATIONS)}"
-        )
+_logged_activations: set[str] = set()
 
 
 class GGUFConfig(QuantizationConfig):
     """Linears and the embedding of a GGUF file keep the file's block types.
-    `activations` "q8" (opt-in, PAGELLM_GGUF_ACTIVATIONS) rounds decode-sized inputs to
-    int8 per 32 values and multiplies in integers, as llama.cpp does."""
+    `activations` "q8" (the default where the CPU has the kernels: EngineArgs.
+    gguf_activations) rounds decode-sized inputs to int8 per 32 values and multiplies in
+    integers, as llama.cpp does; "float32" is the exact path."""
 
     def __init__(self, model_path: str, activations: str = "float32") -> None:
-        check_activations(activations)
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"GGUF activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
         self.model_path = model_path
         self.activations = activations
+        if activations not in _logged_activations:  # once per process and path
+            _logged_activations.add(activations)
+            if activations == "q8":
+                logger.info("GGUF linears: decode steps of up to %d rows multiply int8-rounded "
+                            "activations (llama.cpp's scheme); gguf_activations='float32' "
+                            "(PAGELLM_GGUF_ACTIVATIONS=float32) for the exact path", DIRECT_MAX_ROWS)
+            else:
+                logger.info("GGUF linears: float32 activations (the exact path)")
 
     @classmethod
     def get_name(cls) -> str:
@@ -171,8 +181,29 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = gguf_matmul(layer.weight_groups, x, layer.out_features, self.q8_activations)
+        if self.q8_activations:  # float32 rows take the batched kernel at any count
+            y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(x.shape[0]),
+                            float_direct_rows=0)
+        else:
+            y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
+
+
+def int8_rows(m: int) -> slice | torch.Tensor | None:
+    """The rows of an m-row product that multiply int8 activations on the q8 path. In a
+    model step: the step's decodes (one new token of a running request); prompt chunks
+    stay float32, compute-bound where the float tiles are fastest, so that neither kind of
+    row's numbers depend on what else the step holds. Outside a step (the logits head,
+    direct calls): every row. None where there are none or more than Q8_MAX_ROWS (then
+    every row is float32, as the batched float kernels are faster there)."""
+    from pagellm.attention.backend import current_forward_context
+
+    ctx = current_forward_context()
+    rows = slice(0, m) if ctx is None else ctx.decode_rows
+    if rows is None:
+        return None
+    n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+    return rows if 0 < n <= Q8_MAX_ROWS else None
 
 
 def _group_data(members: list[Any]) -> np.ndarray:
@@ -199,29 +230,59 @@ def _scratch_tile(values: int) -> torch.Tensor:
 
 
 def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
-                q8_activations: bool = False) -> torch.Tensor:
-    """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups;
-    `q8_activations`: decode-sized x rounded to int8 per 32 values (see ggml_q8.c)."""
+                q8_rows: slice | torch.Tensor | bool | None = None,
+                float_direct_rows: int = DIRECT_MAX_ROWS) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups.
+    `q8_rows` (see int8_rows; True: every row) multiply int8-rounded activations where a
+    group's type has a q8 kernel (ggml_q8.c); other rows and groups keep float32, through
+    the direct kernel up to `float_direct_rows` rows, else the batched one. The q8 path
+    gives 0: pg_gemm_batched's sums do not depend on the row count, so a prompt's float
+    rows get the same numbers whatever else its step holds (the direct kernel's differ in
+    rounding, which int8 rounding downstream could turn into a different token)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
     x = x.contiguous()
     m, k = x.shape
-    if m <= BATCHED_MAX_ROWS:  # one kernel call per group, into its columns of y
-        direct = m <= DIRECT_MAX_ROWS
-        y = torch.empty(m, n_out, dtype=torch.float32)
-        gemm = lib.pg_gemm if direct else lib.pg_gemm_batched
-        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
-        q8 = _quantize_q8(lib, x) if direct and q8_activations and k % 32 == 0 else None
-        for g in groups:
-            out = y_ptr + 4 * g.row_start
-            if q8 is not None and lib.pg_q8_supported(g.qtype):
-                qx, dx, sx = q8
-                rc = lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(),
-                                    dx.data_ptr(), sx.data_ptr(), m, out, n_out)
+    if q8_rows is True:
+        q8_rows = slice(0, m)
+    q8_groups = ([g for g in groups if lib.pg_q8_supported(g.qtype)]
+                 if q8_rows is not None and q8_rows is not False and k % 32 == 0 else [])  # fmt: skip
+    every = bool(q8_groups) and isinstance(q8_rows, slice) and (q8_rows.start, q8_rows.stop) == (0, m)
+    float_groups = [g for g in groups if g not in q8_groups] if every else groups
+    y = _float_product(lib, float_groups, x, n_out, float_direct_rows) if float_groups else None
+    if q8_groups:  # the int8 rows again (all of them: every row), in the q8 groups' columns
+        xq = x if every else x[q8_rows]
+        qx, dx, sx = _quantize_q8(lib, xq)
+        out = torch.empty(xq.shape[0], n_out, dtype=torch.float32)
+        for g in q8_groups:
+            if lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
+                              sx.data_ptr(), xq.shape[0], out.data_ptr() + 4 * g.row_start, n_out):
+                raise RuntimeError(f"GGUF q8 kernel failed for type {g.qtype}")
+        if every and y is None:
+            return out
+        if y is None:
+            y = torch.empty(m, n_out, dtype=torch.float32)
+        for g in q8_groups:
+            cols = slice(g.row_start, g.row_start + g.rows)
+            if every:
+                y[:, cols] = out[:, cols]
             else:
-                rc = gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, out, n_out)
-            if rc:
+                y[q8_rows, cols] = out[:, cols]
+    return y
+
+
+def _float_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor, n_out: int,
+                   direct_rows: int) -> torch.Tensor:
+    """x @ W.T on float32 activations for `groups` (the other columns of the result are
+    left unset)."""
+    m, k = x.shape
+    if m <= BATCHED_MAX_ROWS:  # one kernel call per group, into its columns of y
+        y = torch.empty(m, n_out, dtype=torch.float32)
+        gemm = lib.pg_gemm if m <= direct_rows else lib.pg_gemm_batched
+        x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
+        for g in groups:
+            if gemm(g.qtype, g.ptr, g.row_bytes, g.rows, k, x_ptr, k, m, y_ptr + 4 * g.row_start, n_out):
                 raise RuntimeError(f"GGUF kernel failed for type {g.qtype}")
         return y
     # Compute-bound: tiles of dequantized rows, each multiplied by oneDNN's float32
