@@ -37,6 +37,10 @@ from typing import Any
 
 import psutil
 
+USER_ENV = dict(os.environ)
+"""The environment compare.py started with, before anything it imports runs: every
+system's process starts from it (`system_env`)."""
+
 SYSTEMS = ("pagellm", "pagellm-q8", "pagellm-f32", "pagellm-mp", "pagellm-active", "pagellm-f32-active",
            "hf", "vllm", "vllm-default", "llamacpp", "llamacpp-default", "llamacpp-batched",
            "llamacpp-bench")
@@ -294,12 +298,16 @@ def pagellm_one_request(llm: Any, prompt: list[int], max_tokens: int) -> dict[st
 def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     """pagellm's LLM with the system's kwargs (`PAGELLM_SYSTEMS`, e.g. quantization='none'
     for pagellm-f32, passed through `LLM(**kwargs)` like any EngineArgs field)."""
-    from pagellm import LLM
+    from pagellm import LLM, envs
     from pagellm.benchmarks.datasets import SampleRequest
     from pagellm.benchmarks.throughput import run_requests
     from pagellm.sampling_params import SamplingParams
 
     kwargs = {**json.loads(args.pagellm_kwargs), **PAGELLM_SYSTEMS[args.worker]}
+    # The policy its engine core computes with: the row's (its environment's), else
+    # pagellm's default, which pagellm sets in the engine core alone (in-process: around
+    # its import of torch, which nothing here loads before LLM()).
+    omp_wait_policy = os.environ.get("OMP_WAIT_POLICY") or envs.openmp_defaults().get("OMP_WAIT_POLICY")
     llm = LLM(args.model, multiprocess_mode=args.worker == "pagellm-mp", **kwargs)
     quantization = getattr(llm.llm_engine.model_config, "quantization", None)
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -321,7 +329,7 @@ def worker_pagellm(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, A
             "settings": " ".join([*(f"{k}={v}" for k, v in PAGELLM_SYSTEM_ENV.get(args.worker, {}).items()),
                                   f"LLM(**{json.dumps(kwargs)}, multiprocess_mode={args.worker == 'pagellm-mp'})"]),
             "details": {"llm_kwargs": kwargs, "quantization": quantization,
-                        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
+                        "omp_wait_policy": omp_wait_policy}}
 
 
 class _TokenTimes:
@@ -608,7 +616,8 @@ def worker_llamacpp(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, 
     n_ctx = max(i + o for i, o in zip(req["input"], req["output"])) + 64
     cmd, in_flight, note, settings = llamacpp_server_command(
         args, port, n_ctx, len(req["input"]), best=args.worker != "llamacpp-default")
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=system_env())
     monitor = PeakRss(server.pid)
     pss = None
     try:
@@ -663,7 +672,8 @@ def llama_bench_commands(args: argparse.Namespace, n_in: int, n_out: int) -> lis
 def run_monitored(cmd: list[str], name: str, timeout: float) -> tuple[str, str, PeakRss]:
     """Runs one of llama.cpp's tools to the end, sampling its memory: (stdout, stderr,
     the memory monitor); a non-zero exit raises with the end of its stderr."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=system_env())
     monitor = PeakRss(proc.pid)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -817,6 +827,19 @@ class PeakRss:
         self._thread.join()
 
 
+def system_env(extra: dict[str, str] | None = None, removed: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment a system's process starts with (a worker, vLLM's script, llama.cpp's
+    binaries): the user's as it was when compare.py started (USER_ENV), so a peer runs as
+    it would without pagellm, with no OMP_*/GOMP_*/KMP_* variable the user did not set
+    (libgomp's and Intel OpenMP's wait settings; the policy pagellm picks for its own
+    engine goes to its engine alone); HF_HUB_OFFLINE=1 unless the user set it; then the
+    names in `removed` dropped and `extra` (the system's own settings, stated in its row:
+    vLLM's documented environment, a pagellm row's PAGELLM_SYSTEM_ENV) added."""
+    env = {k: v for k, v in USER_ENV.items() if k not in removed}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return {**env, **(extra or {})}
+
+
 def worker_command(args: argparse.Namespace, system: str, req_file: Path) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system,
            "--requests-file", str(req_file), "--model", args.model,
@@ -837,16 +860,15 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
                tmp: Path) -> dict[str, Any]:
     """Launches one system's process, watches its memory, returns its RESULT plus the
     launch time, peak RSS and stderr tail."""
-    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     settings = None
     if system in ("vllm", "vllm-default"):
         cmd = vllm_command(args, req, tmp)
         extra, removed = vllm_env(args, system)
-        env = {**{k: v for k, v in env.items() if k not in removed}, **extra}
+        env = system_env(extra, removed)
         settings = vllm_settings(extra, f"LLM(**{args.vllm_kwargs})", best=system == "vllm")
     else:
         cmd = worker_command(args, system, req_file)
-        env.update(PAGELLM_SYSTEM_ENV.get(system, {}))
+        env = system_env(PAGELLM_SYSTEM_ENV.get(system))
     log = tmp / f"{system}.log"
     launch = time.time()
     with open(log, "w") as err:

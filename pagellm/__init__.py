@@ -1,15 +1,13 @@
 """pagellm: LLM inference and serving with vLLM's architecture and API.
 
-Public names are imported lazily so `import pagellm` stays light.
+Public names are imported lazily so `import pagellm` stays light. It leaves os.environ
+as it is: pagellm's OpenMP wait policy goes only to the processes that compute (see
+envs.OPENMP_DEFAULTS).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-
-from pagellm.envs import apply_openmp_defaults
-
-apply_openmp_defaults()  # before anything imports torch (see envs.OPENMP_DEFAULTS)
 
 __version__ = "0.1.0"
 

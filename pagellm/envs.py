@@ -7,6 +7,8 @@ process layout, debugging and tuning.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -35,19 +37,48 @@ def _float(name: str, default: float) -> float:
 # quiet machine with the engine core in its own process, where spinning takes the core
 # the frontend needs; in-process it costs a quiet machine ~11% (benchmarks/contention.py,
 # figures in benchmarks/README.md).
-# libgomp reads these once, when torch loads it: they must be in the environment before
-# `import torch`, in every process that computes (the engine core inherits them).
+# libgomp reads these once, when torch loads it. They apply to pagellm's own compute
+# processes only, never to the user's os.environ nor to programs the user's process
+# starts: engine-core processes get them in the environment of their Popen (compute_env;
+# what an engine-core process starts, e.g. the kernels' compiler, inherits it), and an
+# in-process engine core sets them around its own `import torch` when it is the first to
+# load torch (import_torch_with_openmp_defaults). `import pagellm` sets nothing.
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # Any of these set by the user means the user chose: pagellm then sets nothing.
 _OPENMP_USER_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+_torch_import_lock = threading.Lock()
 
 
-def apply_openmp_defaults() -> None:
-    """Puts OPENMP_DEFAULTS into os.environ unless the user set a wait policy of their own.
-    Called when pagellm is imported. If torch was imported first, this process keeps
-    libgomp's default, but engine-core processes started from it still get these."""
-    if not any(v in os.environ for v in _OPENMP_USER_VARS):
-        os.environ.update(OPENMP_DEFAULTS)
+def openmp_defaults() -> dict[str, str]:
+    """What pagellm adds to a compute process's environment: OPENMP_DEFAULTS, or nothing
+    when os.environ sets any of OMP_WAIT_POLICY, GOMP_SPINCOUNT, KMP_BLOCKTIME."""
+    if any(v in os.environ for v in _OPENMP_USER_VARS):
+        return {}
+    return dict(OPENMP_DEFAULTS)
+
+
+def compute_env() -> dict[str, str]:
+    """The environment of a pagellm compute process (an engine-core process it spawns): a
+    copy of os.environ plus openmp_defaults(). os.environ itself is not changed."""
+    return {**os.environ, **openmp_defaults()}
+
+
+def import_torch_with_openmp_defaults() -> None:
+    """Imports torch with openmp_defaults() in os.environ, then removes what it added, so
+    this process's libgomp takes pagellm's wait policy while os.environ (and every program
+    started from it later) stays as the user left it. For an engine core that computes in
+    this process; call it before anything there imports torch. If torch is already
+    imported, libgomp has read its settings: nothing changes, and it does nothing."""
+    with _torch_import_lock:
+        if "torch" in sys.modules:
+            return
+        added = {k: v for k, v in openmp_defaults().items() if k not in os.environ}
+        os.environ.update(added)
+        try:
+            import torch  # noqa: F401
+        finally:
+            for k in added:
+                os.environ.pop(k, None)
 
 
 def __getattr__(name: str):
@@ -68,10 +99,12 @@ _VARS = {
     "PAGELLM_CACHE_DIR": lambda: os.environ.get(
         "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     ),
-    # Activations of GGUF linears on the quantized path: "float32" (default: exact weights
-    # x float32 activations) or "q8" (opt-in, as llama.cpp: activations rounded to int8
-    # per 32 values for decode-sized batches, integer dot products; faster, not exact).
-    "PAGELLM_GGUF_ACTIVATIONS": lambda: os.environ.get("PAGELLM_GGUF_ACTIVATIONS", "float32"),
+    # Activations of GGUF linears on the quantized path, when set: replaces
+    # EngineArgs.gguf_activations' "auto" ("float32": exact weights x float32 activations;
+    # "q8": rounded to int8 per 32 values for decode-sized steps, integer dot products, as
+    # llama.cpp; "auto": q8 where the CPU has the int8 kernels). Unset: "" (the engine
+    # argument decides).
+    "PAGELLM_GGUF_ACTIVATIONS": lambda: os.environ.get("PAGELLM_GGUF_ACTIVATIONS", ""),
     # Cache a GGUF file's parsed config and dequantized weights under PAGELLM_CACHE_DIR.
     "PAGELLM_GGUF_CACHE": lambda: _bool("PAGELLM_GGUF_CACHE", True),
     # Torch intra-op threads in the engine core (0 = torch's default).

@@ -179,7 +179,8 @@ class _BackgroundResources:
 def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[subprocess.Popen]:
     procs = []
     for rank in ranks:
-        proc = subprocess.Popen(engine_command(rank, input_addr, output_addr), stdin=subprocess.PIPE)
+        proc = subprocess.Popen(engine_command(rank, input_addr, output_addr), stdin=subprocess.PIPE,
+                                env=envs.compute_env())  # + pagellm's OpenMP defaults
         _send_config(proc, config)
         procs.append(proc)
     return procs

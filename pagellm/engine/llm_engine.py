@@ -66,10 +66,21 @@ def apply_ready_response(config: EngineConfig, client: EngineCoreClient) -> Engi
     )
 
 
+def resolve_multiprocess_mode(multiprocess_mode: bool | None) -> bool:
+    """multiprocess_mode, None meaning PAGELLM_ENABLE_MULTIPROCESSING. When the engine core
+    will compute in this process, first imports torch with pagellm's OpenMP wait policy
+    (envs.import_torch_with_openmp_defaults; nothing changes if torch is already loaded),
+    before anything here imports it (the tokenizer, the config, the engine core)."""
+    if multiprocess_mode is None:
+        multiprocess_mode = envs.PAGELLM_ENABLE_MULTIPROCESSING
+    if not multiprocess_mode:
+        envs.import_torch_with_openmp_defaults()
+    return multiprocess_mode
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess_mode: bool | None = None, log_stats: bool = False):
-        if multiprocess_mode is None:
-            multiprocess_mode = envs.PAGELLM_ENABLE_MULTIPROCESSING
+        multiprocess_mode = resolve_multiprocess_mode(multiprocess_mode)
         self.tokenizer, self.input_processor, self.engine_core = start_frontend_and_core(
             config, lambda: EngineCoreClient.make_client(multiprocess_mode, False, config)
         )
@@ -79,6 +90,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, multiprocess_mode: bool | None = None) -> LLMEngine:
+        # create_engine_config may import torch (to ask for a GPU): resolve first.
+        multiprocess_mode = resolve_multiprocess_mode(multiprocess_mode)
         return cls(engine_args.create_engine_config(), multiprocess_mode)
 
     def add_request(

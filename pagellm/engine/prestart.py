@@ -21,6 +21,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from pagellm import envs
+
 
 @dataclass
 class PrestartedEngine:
@@ -36,7 +38,8 @@ _waiting: PrestartedEngine | None = None
 
 def engine_command(rank: int, input_addr: str, output_addr: str) -> list[str]:
     """The command line of an engine-core process for `rank`, reporting to this process.
-    It inherits the environment's OpenMP settings as they are (see envs.OPENMP_DEFAULTS)."""
+    Start it with `env=envs.compute_env()`: this process's environment plus pagellm's
+    OpenMP wait policy (unless the user chose one), which os.environ never gets."""
     return [
         sys.executable, "-m", "pagellm.core.engine_core_proc",
         "--input-address", input_addr, "--output-address", output_addr,
@@ -56,7 +59,8 @@ def prestart_engine_core() -> None:
         return
     tmpdir = tempfile.mkdtemp(prefix="pagellm-")
     input_addr, output_addr = socket_addresses(tmpdir)
-    proc = subprocess.Popen(engine_command(0, input_addr, output_addr), stdin=subprocess.PIPE)
+    proc = subprocess.Popen(engine_command(0, input_addr, output_addr), stdin=subprocess.PIPE,
+                            env=envs.compute_env())
     _waiting = PrestartedEngine(proc, tmpdir, input_addr, output_addr)
     atexit.register(discard_prestarted)
 
