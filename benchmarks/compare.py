@@ -1,7 +1,9 @@
 """pagellm next to its peers on one machine: the same model file and workloads (W: fixed
-lengths; V: varied lengths; S: one request, single-stream decode) through pagellm, HF
-transformers, and optionally vLLM and llama.cpp, each in its own subprocess (own peak
-memory and start-up time). Prints one table with the machine's measured limit; writes
+lengths; V: varied lengths; S: one request, single-stream decode; P: one 512-token prompt,
+prompt processing) through pagellm, HF transformers, and optionally vLLM and llama.cpp,
+each in its own subprocess (own peak memory and start-up time). Prints one table with the
+machine's measured limits (matmul FLOP/s; read bandwidth, against which each S row's
+decode is put as the share of it its weight reads take); writes
 benchmarks/results/<timestamp>.json.
 
     python benchmarks/compare.py                      # pagellm, pagellm-q8, pagellm-f32, pagellm-mp, hf
@@ -10,6 +12,7 @@ benchmarks/results/<timestamp>.json.
     python benchmarks/compare.py --quick --systems pagellm   # tiny smoke run
     python benchmarks/compare.py --workloads S --systems pagellm,pagellm-f32,llamacpp-bench \
         --llama-bench $B/llama-bench --repeat 3   # single stream, a-b-a-b
+    python benchmarks/compare.py --model llama-3.2-1b --workloads S,P ...   # a synthetic shape
 
 ($B: llama.cpp's build/bin.) Peers run at their best documented settings (`vllm_env`,
 `llamacpp_best_flags`); `vllm-default` and `llamacpp-default` run them at their own
@@ -85,17 +88,29 @@ WORKLOADS = {
     "W": Workload("W", 64, (128, 128), (128, 128), "64 prompts x 128 random tokens, 128 out"),
     "V": Workload("V", 64, (16, 512), (16, 256), "64 prompts, in U[16,512], out U[16,256]"),
     "S": Workload("S", 1, (128, 128), (256, 256), "single stream: 1 prompt x 128 tokens, 256 out"),
+    "P": Workload("P", 1, (512, 512), (1, 1), "prompt: 1 prompt x 512 random tokens, 1 out"),
 }
 QUICK_WORKLOADS = {
     "W": Workload("W", 4, (16, 16), (8, 8), "quick: 4 prompts x 16 tokens, 8 out"),
     "V": Workload("V", 4, (8, 32), (4, 12), "quick: 4 prompts, in U[8,32], out U[4,12]"),
     "S": Workload("S", 1, (16, 16), (16, 16), "quick single stream: 1 prompt x 16 tokens, 16 out"),
+    "P": Workload("P", 1, (64, 64), (1, 1), "quick prompt: 1 prompt x 64 tokens, 1 out"),
 }
+DEFAULT_WORKLOADS = "W,V,S,P"
+DECODE_WORKLOADS = ("S",)
+"""Single-stream decode workloads: their rows get the share of the read bandwidth."""
+PROMPT_WORKLOADS = ("P",)
+"""Prompt-processing workloads (one request, one output token): their figure is TTFT and
+prompt tokens/s, which the ratio column divides."""
 SINGLE_STREAM_ONLY = ("llamacpp-bench",)
 """Systems that run only one-request workloads (llama-bench times one sequence)."""
 FIXED_LENGTHS_ONLY = ("llamacpp-batched",)
-"""Systems that run only workloads whose prompts and outputs all have one length (W, S):
+"""Systems that run only workloads whose prompts and outputs all have one length (W, S, P):
 llama-batched-bench decodes B sequences of PP prompt and TG generated tokens."""
+SYNTHETIC_MODELS = ("llama-3.2-1b", "llama-3.1-8b", "tiny")
+"""--model names of synthetic GGUF files (random Q4_K_M weights of a real model's shapes,
+pagellm.benchmarks.synthetic_gguf.SHAPES, with the default model's vocabulary), written
+once under <PAGELLM_CACHE_DIR>/synthetic/. `tiny` is for smoke tests."""
 
 
 @dataclass
@@ -120,6 +135,15 @@ class Row:
     elapsed_s: float | None = None
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    prompt_tokens_per_s: float | None = None
+    """One-request workloads: prompt tokens / TTFT (the prefill's rate; median over runs)."""
+    weight_bytes_per_token: int | None = None
+    """Single-stream decode (S): weight bytes the system reads per decoded token (every
+    tensor of the GGUF file once, of the embedding one row, unless the head is tied to it;
+    float32 bytes of the same tensors for the rows that dequantize: `weight_bytes`)."""
+    read_bandwidth_share: float | None = None
+    """Single-stream decode (S): weight_bytes_per_token x decode tokens/s / the machine's
+    read bandwidth (a fraction; the table prints it as a percentage)."""
     note: str = ""
     settings: str = ""
     """The settings the system ran with: environment variables and flags (peers), the
@@ -163,6 +187,18 @@ def copy_bandwidth_gbs(mib: int, reps: int) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
+def read_bandwidth_gbs(mib: int, reps: int) -> float:
+    """Best rate of reading a `mib` MiB float32 tensor: torch.sum over it (all threads),
+    counting its bytes once. A decode step of a model larger than the caches is bound by
+    this: every weight is read once per step."""
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
 def _timed(fn: Any) -> float:
     start = time.perf_counter()
     fn()
@@ -182,7 +218,74 @@ def describe_machine(quick: bool) -> dict[str, Any]:
         "python": platform.python_version(),
         "matmul_gflops_fp32": matmul_gflops(1024 if quick else 2048, 3 if quick else 5),
         "copy_bandwidth_gbs": copy_bandwidth_gbs(64 if quick else 512, 3 if quick else 5),
+        "read_bandwidth_gbs": read_bandwidth_gbs(64 if quick else 1024, 3 if quick else 5),
     }
+
+
+# -- model file ------------------------------------------------------------------------
+
+
+def resolve_model(model: str | None) -> str:
+    """The model file for --model: None or `default` -> pagellm's default GGUF; a name in
+    SYNTHETIC_MODELS -> <PAGELLM_CACHE_DIR>/synthetic/<name>-q4_k_m.gguf, written once
+    (random Q4_K_M blocks of that shape, pagellm.benchmarks.synthetic_gguf, with the
+    default model's vocabulary) if missing; anything else is a path, used as it is."""
+    from pagellm.model_executor.loader import default_model_path
+
+    if model in (None, "default"):
+        return default_model_path()
+    if model not in SYNTHETIC_MODELS:
+        return model
+    from pagellm import envs
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    path = Path(envs.PAGELLM_CACHE_DIR) / "synthetic" / f"{model}-q4_k_m.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing the synthetic {model} GGUF to {path} (once) ...", flush=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        try:
+            write_llama_gguf(str(partial), SHAPES[model], "q4_k_m", vocab_from=default_model_path())
+            os.replace(partial, path)  # whole or absent, should this be interrupted
+        finally:
+            partial.unlink(missing_ok=True)
+    return str(path)
+
+
+def weight_bytes(model_path: str) -> dict[str, Any] | None:
+    """Weight bytes read per decoded token, from a GGUF file's tensors (gguf's
+    GGUFReader): every tensor's bytes but `token_embd.weight`'s, of which one row (one
+    token's embedding) is read per token; when the file has no `output.weight` the head is
+    tied to the embedding and reads all of it, so it counts once, whole. `bytes_per_token`
+    is for systems that multiply the file's blocks (pagellm's quantized path, llama.cpp);
+    `float32_bytes_per_token` the same tensors at 4 bytes a value (the systems that
+    dequantize at load: pagellm-f32, HF). None for a model that is not a .gguf file."""
+    from pagellm.model_executor.weight_utils import is_gguf
+
+    if not is_gguf(model_path):
+        return None
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(model_path).tensors}
+    embd = tensors.get("token_embd.weight")
+    tied = "output.weight" not in tensors
+    rest = [t for name, t in tensors.items() if name != "token_embd.weight"]
+    quant = sum(int(t.n_bytes) for t in rest)
+    f32 = 4 * sum(int(t.n_elements) for t in rest)
+    embd_bytes = embd_row = 0
+    if embd is not None:
+        rows = int(embd.n_elements) // int(embd.shape[0])  # GGUF shapes list the row length first
+        embd_bytes, embd_row = int(embd.n_bytes), int(embd.n_bytes) // rows
+        quant += embd_bytes if tied else embd_row
+        f32 += 4 * (int(embd.n_elements) if tied else int(embd.shape[0]))
+    return {"bytes_per_token": quant, "float32_bytes_per_token": f32, "tied_head": tied,
+            "embedding_bytes": embd_bytes, "embedding_row_bytes": embd_row,
+            "file_bytes": os.path.getsize(model_path)}
+
+
+def bandwidth_share(bytes_per_token: float, decode_tokens_per_s: float, read_gbs: float) -> float:
+    """The share of the machine's read bandwidth a decode rate's weight reads take."""
+    return bytes_per_token * decode_tokens_per_s / (read_gbs * 1e9)
 
 
 # -- model arithmetic --------------------------------------------------------------------
@@ -663,8 +766,11 @@ def llama_bench_flags(args: argparse.Namespace) -> list[str]:
 def llama_bench_commands(args: argparse.Namespace, n_in: int, n_out: int) -> list[list[str]]:
     """llama-bench on the model file (`llama_bench_flags`): the prompt alone (pp), prompt
     then generation as one sequence (pg: the whole request), and generation after an
-    n_in-token context (tg @ d: the decode of the same request)."""
+    n_in-token context (tg @ d: the decode of the same request). A prompt workload (one
+    output token, P) is the prompt alone: `-p n_in -n 0`."""
     base = [args.llama_bench, "-m", args.model, *llama_bench_flags(args), "-o", "json"]
+    if n_out <= 1:
+        return [base + ["-p", str(n_in), "-n", "0"]]
     return [base + ["-p", str(n_in), "-n", "0", "-pg", f"{n_in},{n_out}"],
             base + ["-p", "0", "-n", str(n_out), "-d", str(n_in)]]
 
@@ -687,8 +793,10 @@ def run_monitored(cmd: list[str], name: str, timeout: float) -> tuple[str, str, 
 def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's own benchmark tool on a one-request workload: out tok/s = n_out / the
     pp+tg test's mean time (prefill and decode of one sequence), decode tok/s = the tg test
-    at depth n_in, TTFT = n_in / the pp test's tokens/s. Token ids are llama-bench's own
-    (random), lengths the workload's. No start-up figure: model loading is inside the run."""
+    at depth n_in, TTFT = n_in / the pp test's tokens/s. On a prompt workload (one output
+    token, P) only the pp test runs: TTFT and elapsed = its mean time. Token ids are
+    llama-bench's own (random), lengths the workload's. No start-up figure: model loading
+    is inside the run."""
     if not single_stream(req):
         raise ValueError("llama-bench runs one sequence; use it on a one-request workload (S)")
     n_in, n_out = req["input"][0], req["output"][0]
@@ -701,11 +809,18 @@ def worker_llamacpp_bench(args: argparse.Namespace, req: dict[str, Any]) -> dict
     def find(n_prompt: int, n_gen: int, depth: int = 0) -> dict[str, Any]:
         return next(t for t in tests if (t["n_prompt"], t["n_gen"], t.get("n_depth", 0)) == (n_prompt, n_gen, depth))
 
-    pp, pg, tg = find(n_in, 0), find(n_in, n_out), find(0, n_out, n_in)
     keep = ("n_prompt", "n_gen", "n_depth", "n_threads", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
             "samples_ts", "build_commit", "cpu_info", "model_type", "type_k", "flash_attn")
-    pp, pg, tg = ({k: t[k] for k in keep if k in t} for t in (pp, pg, tg))
     flags = " ".join(llama_bench_flags(args))
+    if n_out <= 1:  # prompt processing: the pp test alone
+        pp = {k: v for k, v in find(n_in, 0).items() if k in keep}
+        return {"elapsed_s": pp["avg_ns"] / 1e9, "ttft_s": pp["avg_ns"] / 1e9, "decode_tokens_per_s": None,
+                "prompt_tokens": n_in, "output_tokens": n_out,
+                "server_peak_rss_mb": peak_rss, "server_peak_pss_mb": peak_pss or None,
+                "note": f"llama-bench: pp{n_in}", "settings": f"llama-bench {flags}",
+                "details": {"commands": commands, "tests": {f"pp{n_in}": pp}}}
+    pp, pg, tg = find(n_in, 0), find(n_in, n_out), find(0, n_out, n_in)
+    pp, pg, tg = ({k: t[k] for k in keep if k in t} for t in (pp, pg, tg))
     return {"elapsed_s": pg["avg_ns"] / 1e9, "ttft_s": n_in / pp["avg_ts"],
             "decode_tokens_per_s": tg["avg_ts"], "prompt_tokens": n_in, "output_tokens": n_out,
             "server_peak_rss_mb": peak_rss, "server_peak_pss_mb": peak_pss or None,
@@ -734,7 +849,7 @@ def worker_llamacpp_batched(args: argparse.Namespace, req: dict[str, Any]) -> di
     run: no start-up figure."""
     ins, outs = set(req["input"]), set(req["output"])
     if len(ins) != 1 or len(outs) != 1:
-        raise ValueError("llama-batched-bench runs one prompt and one output length (W, S)")
+        raise ValueError("llama-batched-bench runs one prompt and one output length (W, S, P)")
     pl, pp, tg = len(req["input"]), ins.pop(), outs.pop()
     cmd, flags = llama_batched_bench_command(args, pl, pp, tg)
     stdout, stderr, monitor = run_monitored(cmd, "llama-batched-bench", args.worker_timeout)
@@ -745,7 +860,7 @@ def worker_llamacpp_batched(args: argparse.Namespace, req: dict[str, Any]) -> di
     r = results[-1]
     out: dict[str, Any] = {"elapsed_s": r["t"], "prompt_tokens": pl * pp, "output_tokens": pl * tg}
     if pl == 1:
-        out.update(ttft_s=r["t_pp"], decode_tokens_per_s=r["speed_tg"])
+        out.update(ttft_s=r["t_pp"], decode_tokens_per_s=r["speed_tg"] if tg > 1 else None)
     return {**out, "server_peak_rss_mb": monitor.peak_mb, "server_peak_pss_mb": monitor.peak_pss_mb,
             "note": f"llama-batched-bench, B={pl}: prompt {r['speed_pp']:.0f} tok/s, "
                     f"decode {r['speed_tg']:.1f} tok/s",
@@ -891,6 +1006,7 @@ def run_system(args: argparse.Namespace, system: str, req: dict[str, Any], req_f
         out["details"] = {**(out.get("details") or {}), "env": settings,
                           "vllm_log": vllm_log_lines(stdout + "\n" + log.read_text(errors="replace"))}
     out["launch_time"], out["tree_peak_rss_mb"] = launch, monitor.peak_mb
+    out["single_request"] = single_stream(req)
     out["tree_peak_pss_mb"] = max(monitor.peak_pss_mb or 0, out.get("post_run_pss_mb") or 0) or None
     return out
 
@@ -899,10 +1015,14 @@ def run_figures(out: dict[str, Any]) -> dict[str, Any]:
     """One run's figures, from a worker's RESULT plus what run_system measured. Servers
     and tools the worker starts (llama.cpp) report their own memory."""
     ready = out.get("ready_time")
+    ttft = out.get("ttft_s")
+    if ttft is None and out.get("single_request") and out["output_tokens"] == 1:
+        ttft = out["elapsed_s"]  # one request, one output token: its end is its first token
     return {
         "output_tokens_per_s": out["output_tokens"] / out["elapsed_s"],
         "decode_tokens_per_s": out.get("decode_tokens_per_s"),
-        "ttft_s": out.get("ttft_s"),
+        "ttft_s": ttft,
+        "prompt_tokens_per_s": out["prompt_tokens"] / ttft if ttft else None,
         "elapsed_s": out["elapsed_s"],
         "peak_rss_mb": out.get("server_peak_rss_mb") or out["tree_peak_rss_mb"],
         "peak_pss_mb": out.get("server_peak_pss_mb") or out.get("tree_peak_pss_mb"),
@@ -934,6 +1054,7 @@ def make_row(system: str, workload: str, outs: dict[str, Any] | list[dict[str, A
         output_tokens_per_s=_median([r["output_tokens_per_s"] for r in runs]),
         decode_tokens_per_s=_median([r["decode_tokens_per_s"] for r in runs]),
         ttft_s=_median([r["ttft_s"] for r in runs]),
+        prompt_tokens_per_s=_median([r["prompt_tokens_per_s"] for r in runs]),
         peak_rss_mb=_max([r["peak_rss_mb"] for r in runs]),
         peak_pss_mb=_max([r["peak_pss_mb"] for r in runs]),
         startup_s=_median([r["startup_s"] for r in runs]),
@@ -954,11 +1075,11 @@ def skip_reason(args: argparse.Namespace, system: str, workload: Workload | None
     if system == "llamacpp-batched" and not args.llama_batched_bench:
         return "skipped: pass --llama-batched-bench PATH (llama.cpp's llama-batched-bench binary)"
     if system in SINGLE_STREAM_ONLY and workload is not None and workload.num_prompts != 1:
-        return "skipped: one-request workloads only (S)"
+        return "skipped: one-request workloads only (S, P)"
     if system in FIXED_LENGTHS_ONLY and workload is not None and (
             workload.input_range[0] != workload.input_range[1]
             or workload.output_range[0] != workload.output_range[1]):
-        return "skipped: one prompt length and one output length only (W, S)"
+        return "skipped: one prompt length and one output length only (W, S, P)"
     return None
 
 
@@ -973,11 +1094,42 @@ def run_order(systems: list[str], repeat: int, order: str) -> list[str]:
 
 
 def fill_ratios(rows: list[Row]) -> None:
+    """The ratio column: out tok/s over the first REFERENCE row's on the same workload;
+    on a prompt workload (P), prompt tok/s."""
     for row in rows:
+        field = "prompt_tokens_per_s" if row.workload in PROMPT_WORKLOADS else "output_tokens_per_s"
         refs = [r for name in REFERENCE for r in rows
-                if r.system == name and r.workload == row.workload and r.output_tokens_per_s]
-        if refs and row.output_tokens_per_s:
-            row.ratio_to_pagellm = row.output_tokens_per_s / refs[0].output_tokens_per_s
+                if r.system == name and r.workload == row.workload and getattr(r, field)]
+        if refs and getattr(row, field):
+            row.ratio_to_pagellm = getattr(row, field) / getattr(refs[0], field)
+
+
+def row_weight_bytes(row: Row, weights: dict[str, Any]) -> int | None:
+    """Weight bytes per decoded token for a row's system (see `weight_bytes`): the file's
+    blocks for llama.cpp and pagellm's quantized path, float32 for pagellm rows that
+    dequantized at load and for HF; None for vLLM (its dtype is its kwargs')."""
+    if row.system.startswith("llamacpp"):
+        return weights["bytes_per_token"]
+    if row.system in PAGELLM_SYSTEMS:
+        quantized = (row.details or {}).get("quantization")
+        return weights["bytes_per_token"] if quantized else weights["float32_bytes_per_token"]
+    if row.system == "hf":
+        return weights["float32_bytes_per_token"]
+    return None
+
+
+def fill_bandwidth_shares(rows: list[Row], weights: dict[str, Any] | None, read_gbs: float) -> None:
+    """Each single-stream decode row (S): its weight bytes per token and the share of the
+    read bandwidth that they take at its decode tokens/s."""
+    if not weights or not read_gbs:
+        return
+    for row in rows:
+        if row.workload not in DECODE_WORKLOADS or not row.decode_tokens_per_s:
+            continue
+        row.weight_bytes_per_token = row_weight_bytes(row, weights)
+        if row.weight_bytes_per_token:
+            row.read_bandwidth_share = bandwidth_share(row.weight_bytes_per_token,
+                                                       row.decode_tokens_per_s, read_gbs)
 
 
 def machine_share(rows: list[Row], flops: dict[str, dict[str, Any]],
@@ -1000,9 +1152,11 @@ def _fmt(value: float | None, spec: str) -> str:
     return f"{'-':>{width}}" if value is None else format(value, spec)
 
 
-def print_table(rows: list[Row], shares: dict[str, dict[str, float]]) -> None:
+def print_table(rows: list[Row], shares: dict[str, dict[str, float]],
+                weights: dict[str, Any] | None = None, read_gbs: float | None = None) -> None:
     header = f"{'system':<16} {'wl':<3} {'out tok/s':>10} {'vs pagellm':>10} {'decode tok/s':>12} " \
-             f"{'TTFT ms':>8} {'peak RSS MiB':>12} {'peak PSS MiB':>12} {'start-up s':>10}  note"
+             f"{'of read bw':>10} {'TTFT ms':>8} {'prompt tok/s':>12} {'peak RSS MiB':>12} " \
+             f"{'peak PSS MiB':>12} {'start-up s':>10}  note"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -1013,14 +1167,21 @@ def print_table(rows: list[Row], shares: dict[str, dict[str, float]]) -> None:
             if any(x["decode_tokens_per_s"] for x in r.runs):
                 note += "; decode " + ", ".join(_fmt(x["decode_tokens_per_s"], "1.1f") for x in r.runs)
         ttft_ms = None if r.ttft_s is None else 1000 * r.ttft_s
+        read_bw = "-" if r.read_bandwidth_share is None else f"{100 * r.read_bandwidth_share:.1f}%"
         print(f"{r.system:<16} {r.workload:<3} {_fmt(r.output_tokens_per_s, '10.1f')} "
               f"{_fmt(r.ratio_to_pagellm, '10.2f')} {_fmt(r.decode_tokens_per_s, '12.1f')} "
-              f"{_fmt(ttft_ms, '8.0f')} {_fmt(r.peak_rss_mb, '12.0f')} {_fmt(r.peak_pss_mb, '12.0f')} "
+              f"{read_bw:>10} {_fmt(ttft_ms, '8.0f')} {_fmt(r.prompt_tokens_per_s, '12.1f')} "
+              f"{_fmt(r.peak_rss_mb, '12.0f')} {_fmt(r.peak_pss_mb, '12.0f')} "
               f"{_fmt(r.startup_s, '10.1f')}  {note}")
     for wl, s in shares.items():
         print(f"{s['system']} on {wl}: {s['processed_tokens_per_s']:.1f} processed tok/s = "
               f"{100 * s['share']:.1f}% of the machine limit "
               f"({s['machine_limit_tokens_per_s']:.0f} tok/s at peak matmul FLOP/s)")
+    if weights and read_gbs and any(r.read_bandwidth_share is not None for r in rows):
+        print(f"of read bw: weight bytes per decoded token ({weights['bytes_per_token'] / 1e6:.1f} MB "
+              f"from the file's blocks, {weights['float32_bytes_per_token'] / 1e6:.1f} MB as float32; "
+              f"head {'tied to the embedding' if weights['tied_head'] else 'its own tensor'}) "
+              f"x decode tok/s / {read_gbs:.1f} GB/s read bandwidth")
 
 
 def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
@@ -1029,10 +1190,12 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     print(f"machine: {machine['cpu_model']}, {machine['logical_cores']} cores, "
           f"{machine['ram_gib']} GiB, torch {machine['torch_version']}; "
           f"{machine['matmul_gflops_fp32']:.1f} GFLOP/s fp32 matmul, "
-          f"{machine['copy_bandwidth_gbs']:.1f} GB/s copy", flush=True)
+          f"{machine['copy_bandwidth_gbs']:.1f} GB/s copy (read + write), "
+          f"{machine['read_bandwidth_gbs']:.1f} GB/s read", flush=True)
     table = QUICK_WORKLOADS if args.quick else WORKLOADS
     workloads = [table[w] for w in args.workloads.split(",")]
     systems = args.systems.split(",")
+    weights = weight_bytes(args.model)
     rows, flops = [], {}
     with tempfile.TemporaryDirectory(prefix="pagellm-compare-") as tmp_name:
         tmp = Path(tmp_name)
@@ -1063,20 +1226,24 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     rows.append(make_row(system, wl.name, outs[system]))
     fill_ratios(rows)
+    fill_bandwidth_shares(rows, weights, machine["read_bandwidth_gbs"])
     shares = machine_share(rows, flops, machine)
-    print_table(rows, shares)
+    print_table(rows, shares, weights, machine["read_bandwidth_gbs"])
     return {"date": datetime.now().isoformat(timespec="seconds"), "model": args.model,
-            "quick": args.quick, "repeat": args.repeat, "order": args.order, "machine": machine,
+            "model_name": args.model_name, "quick": args.quick, "repeat": args.repeat,
+            "order": args.order, "machine": machine,
             "workloads": {w.name: asdict(w) for w in workloads}, "model_flops": flops,
-            "rows": [asdict(r) for r in rows], "machine_share": shares}
+            "weight_bytes": weights, "rows": [asdict(r) for r in rows], "machine_share": shares}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="Model file (default: pagellm's default GGUF).")
+    p.add_argument("--model", default=None,
+                   help="Model file, or `default` (pagellm's default GGUF, the default) or a synthetic "
+                        f"shape, written once under <PAGELLM_CACHE_DIR>/synthetic/: {', '.join(SYNTHETIC_MODELS)}.")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"Comma list of {SYSTEMS} (default: all but the *-default rows).")
-    p.add_argument("--workloads", default="W,V,S", help="Comma list of W, V, S.")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="Comma list of W, V, S, P.")
     p.add_argument("--quick", action="store_true", help="Tiny workloads (smoke test).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=None, help="Virtualenv with vllm installed.")
@@ -1105,10 +1272,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=list(WORKERS), default=None, help=argparse.SUPPRESS)
     p.add_argument("--requests-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.model is None:
-        from pagellm.model_executor.loader import default_model_path
-
-        args.model = default_model_path()
     if args.hf_batch_sizes is None:
         args.hf_batch_sizes = "2,4" if args.quick else "16,64"
     unknown = set(args.systems.split(",")) - set(SYSTEMS)
@@ -1119,6 +1282,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workload(s) {sorted(unknown)}; choose from {tuple(WORKLOADS)}")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    args.model_name = args.model or "default"
+    if not args.worker:  # a worker is given the file
+        args.model = resolve_model(args.model)
     return args
 
 

@@ -144,8 +144,7 @@ class EngineArgs:
     quantization: str | None = None
     """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
     gguf_activations: str = "auto"
-    """Activations of a GGUF file's linears in decode-sized steps (up to 8 rows; larger
-    prompt chunks always multiply float32): 'q8' rounds them to int8 per 32 values and multiplies in integers, as llama.cpp does (faster; within measured bounds of the exact path); 'float32' keeps the exact path (the file's weights times float32 activations, greedy parity with transformers); 'auto' is q8 where this CPU has the int8 kernels (x86 with AVX2; AVX-512 VNNI or AVX-VNNI where present), else float32. PAGELLM_GGUF_ACTIVATIONS, when set, replaces 'auto'."""
+    """Activations of a GGUF file's linears on decode rows (up to 16 a step; prompt rows always multiply float32): 'q8' rounds them to int8 per 32 values and multiplies in integers, as llama.cpp does (the head's in two int8 levels); 'q8x2' rounds every int8 row in two levels (x ~ d1 q1 + d2 q2: the exact path's greedy tokens on real text, ~0.75x q8's decode speed); 'float32' keeps the exact path (the file's weights times float32 activations, greedy parity with transformers); 'auto' is q8 where this CPU has the int8 kernels (x86 with AVX2; AVX-512 VNNI where present), else float32. PAGELLM_GGUF_ACTIVATIONS, when set, replaces 'auto'."""
     attention_backend: str = "torch"
     """Attention backend (pagellm.attention): 'torch' (paged KV cache, SDPA prefill, embedding_bag decode)."""
     compilation_config: Any = None

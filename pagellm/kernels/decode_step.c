@@ -30,10 +30,12 @@
 int pg_type_supported(int type);
 int pg_q8_supported(int type);
 void pg_quantize_q8_part(const float *X, int64_t ldx, const int64_t *rows, int64_t M,
-                         int64_t K, int8_t *QX, float *DX, int32_t *SX, const pg_team *team);
+                         int64_t K, int64_t levels, int8_t *QX, float *DX, int32_t *SX,
+                         const pg_team *team);
 void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-                     int64_t ldy, const int64_t *yrows, const pg_team *team);
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
+                     int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
+                     const pg_team *team);
 int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K);
 int64_t pg_gemm_scratch(int64_t K);
 void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
@@ -93,6 +95,7 @@ typedef struct {
     int64_t n_q8;        /* rows whose products with the GGUF groups pg_q8_supported takes
                           * multiply int8-rounded activations (ggml_q8.c): the step's
                           * decodes, q8_rows[i] (NULL: rows 0 .. n_q8-1); 0: none */
+    int64_t int8_levels; /* int8 levels each of those rows is rounded in (ggml_q8.c) */
     float eps, scale;
     const int64_t *positions, *slots, *table, *lo, *hi, *q8_rows;
     const float *cos_table, *sin_table;
@@ -147,15 +150,16 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
      * float32 first, then the decode rows' columns of q8 groups again, in int8) */
     const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
     if (q8) { /* the q8 rows rounded once for every group */
-        pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, sc->qx, sc->dx, sc->sx,
-                            team);
+        pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, s->int8_levels, sc->qx,
+                            sc->dx, sc->sx, team);
         pg_team_sync(team);
     }
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
         if (every && q8_group(w))
             pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx, sc->dx,
-                            sc->sx, T, y + w->row_start, L->n_out, s->q8_rows, team);
+                            sc->sx, T, s->int8_levels, y + w->row_start, L->n_out, s->q8_rows,
+                            team);
         else if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
@@ -173,8 +177,8 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
             const pg_weight_group *w = &L->groups[g];
             if (q8_group(w))
                 pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx,
-                                sc->dx, sc->sx, s->n_q8, y + w->row_start, L->n_out, s->q8_rows,
-                                team);
+                                sc->dx, sc->sx, s->n_q8, s->int8_levels, y + w->row_start,
+                                L->n_out, s->q8_rows, team);
         }
         pg_team_sync(team);
     }
@@ -247,7 +251,7 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     const int64_t threads = omp_get_max_threads();
     /* then the team's x rows: packed (xp), and as int8 values, scales and sums per 16 (q8) */
     const int64_t xp = (xp_floats + 15) / 16 * 16;
-    const int64_t q8_values = s->n_q8 > 0 ? (s->n_q8 * k_max + 63) / 64 * 64 : 0;
+    const int64_t q8_values = s->n_q8 > 0 ? (s->n_q8 * s->int8_levels * k_max + 63) / 64 * 64 : 0;
     const int64_t q8_floats = (q8_values / 4 + 3 * (q8_values / 32) + 15) / 16 * 16;
     float *buf = (float *)aligned_alloc(
         64, (size_t)(threads * (wrow + scores) + xp + q8_floats) * sizeof(float));

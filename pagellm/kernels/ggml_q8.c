@@ -5,8 +5,8 @@
  * values are the file's exactly; the activations are approximated (~0.4% per value),
  * so results differ from the float32 path beyond summation order: never the default.
  *
- *   pg_quantize_q8  X [M, K] float -> QX [M, K] int8, DX [M, K/32] scales,
- *                   SX [M, K/16] sums of each 16 int8 values
+ *   pg_quantize_q8  X [M, K] float -> QX [M L, K] int8, DX [M L, K/32] scales,
+ *                   SX [M L, K/16] sums of each 16 int8 values, in L levels per row
  *   pg_gemm_q8      Y[m, n] = sum_k X[m, k] * W[n, k] for the types in pg_q8_supported
  */
 #include <math.h>
@@ -58,23 +58,34 @@ static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) 
     s[1] = s1;
 }
 
-/* Thread ith's share of the M * K/32 groups; quantized row m is row rows[m] of X
- * (rows NULL: row m). */
+/* Thread ith's share of the M * K/32 groups of X's rows (row m is row rows[m] of X; rows
+ * NULL: row m), each rounded in `levels` int8 levels: level l + 1 rounds what level l
+ * left (x - d q), so that x ~ the sum of the levels' d q, each level ~1/250 of the one
+ * before. Quantized row m * levels + l holds level l of row m. */
 void pg_quantize_q8_part(const float *X, int64_t ldx, const int64_t *rows, int64_t M,
-                         int64_t K, int8_t *QX, float *DX, int32_t *SX, const pg_team *team) {
+                         int64_t K, int64_t levels, int8_t *QX, float *DX, int32_t *SX,
+                         const pg_team *team) {
     const int64_t G = K / 32;
     int64_t lo, hi;
     pg_share(M * G, team, &lo, &hi);
     for (int64_t i = lo; i < hi; i++) {
-        const int64_t m = i / G, r = rows != NULL ? rows[m] : m;
-        quantize_group(X + r * ldx + 32 * (i % G), QX + 32 * i, DX + i, SX + 2 * i);
+        const int64_t m = i / G, g = i % G;
+        const float *x = X + (rows != NULL ? rows[m] : m) * ldx + 32 * g;
+        float rest[32];
+        for (int64_t l = 0; l < levels; l++) {
+            const int64_t at = (m * levels + l) * G + g; /* this level's group */
+            quantize_group(l == 0 ? x : rest, QX + 32 * at, DX + at, SX + 2 * at);
+            if (l + 1 < levels)
+                for (int j = 0; j < 32; j++)
+                    rest[j] = (l == 0 ? x[j] : rest[j]) - (float)QX[32 * at + j] * DX[at];
+        }
     }
 }
 
-void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int8_t *QX, float *DX,
-                    int32_t *SX) {
+void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int64_t levels,
+                    int8_t *QX, float *DX, int32_t *SX) {
     const pg_team alone = {0, 1, NULL};
-    pg_quantize_q8_part(X, ldx, NULL, M, K, QX, DX, SX, &alone);
+    pg_quantize_q8_part(X, ldx, NULL, M, K, levels, QX, DX, SX, &alone);
 }
 
 #ifdef PG_AVX2
@@ -508,23 +519,26 @@ VNNI512 static int rows512(int type, const uint8_t *row, int64_t K, const int8_t
 }
 #endif
 
-/* Thread ith's share of Y[m, n] (rows ldy apart) = W row n . quantized input row m;
- * with `yrows`, row m of the result goes to row yrows[m] of Y. */
+/* Thread ith's share of Y[m, n] (rows ldy apart) = W row n . input row m, given as
+ * `levels` (1, 2 or 4) consecutive quantized rows (pg_quantize_q8_part) whose products
+ * are summed; with `yrows`, row m of the result goes to row yrows[m] of Y. */
 void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-                     int64_t ldy, const int64_t *yrows, const pg_team *team) {
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
+                     int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
+                     const pg_team *team) {
 #ifdef PG_AVX2
     int64_t n0, n1;
-    pg_share_if(N * K * M >= Q8_PARALLEL_MIN, N, team, &n0, &n1);
+    pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N, team, &n0, &n1);
 #ifdef PG_X86_DISPATCH
     const int wide = vnni512();
 #else
     const int wide = 0;
 #endif
+    const int64_t P = M * levels; /* quantized rows */
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+        for (int64_t m0 = 0; m0 < P; m0 += 4) {
+            const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
             int done = 0;
 #ifdef PG_X86_DISPATCH
@@ -534,23 +548,28 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             for (int r = 0; r < R && !done; r++)
                 out[r] = dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
                                     DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
-            for (int r = 0; r < R; r++)
-                Y[(yrows != NULL ? yrows[m0 + r] : m0 + r) * ldy + n] = out[r];
+            for (int r = 0; r < R; r += (int)levels) {
+                const int64_t m = (m0 + r) / levels;
+                float sum = out[r];
+                for (int l = 1; l < levels; l++) sum += out[r + l];
+                Y[(yrows != NULL ? yrows[m] : m) * ldy + n] = sum;
+            }
         }
     }
 #else
     (void)type; (void)W; (void)row_bytes; (void)N; (void)K; (void)QX; (void)DX; (void)SX;
-    (void)M; (void)Y; (void)ldy; (void)yrows; (void)team;
+    (void)M; (void)levels; (void)Y; (void)ldy; (void)yrows; (void)team;
 #endif
 }
 
 /* Y[m, n] (rows ldy apart) for the quantized input rows from pg_quantize_q8. */
 int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-               const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-               int64_t ldy) {
-    if (!pg_q8_supported(type) || K % 32) return -1;
-    PG_TEAM_RUN(N * K * M >= Q8_PARALLEL_MIN,
-                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, NULL, &team));
+               const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
+               float *Y, int64_t ldy) {
+    if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4)) return -1;
+    PG_TEAM_RUN(N * K * M * levels >= Q8_PARALLEL_MIN,
+                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y, ldy, NULL,
+                                &team));
     return 0;
 }
 

@@ -204,9 +204,10 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
     assert {"cpu_model", "logical_cores", "ram_gib", "torch_version", "matmul_gflops_fp32",
-            "copy_bandwidth_gbs"} <= set(data["machine"])
+            "copy_bandwidth_gbs", "read_bandwidth_gbs"} <= set(data["machine"])
+    assert data["machine"]["read_bandwidth_gbs"] > 0
     rows = {(r["system"], r["workload"]): r for r in data["rows"]}
-    assert set(rows) == {(s, w) for s in ("pagellm", "vllm") for w in ("W", "V", "S")}
+    assert set(rows) == {(s, w) for s in ("pagellm", "vllm") for w in ("W", "V", "S", "P")}
     w = rows[("pagellm", "W")]
     assert w["output_tokens"] == 4 * 8 and w["prompt_tokens"] == 4 * 16
     assert w["ratio_to_pagellm"] == 1.0 and w["output_tokens_per_s"] > 0
@@ -216,9 +217,16 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     s = rows[("pagellm", "S")]  # one request, timed per token
     assert s["output_tokens"] == 16 and s["prompt_tokens"] == 16
     assert s["decode_tokens_per_s"] > 0 and 0 < s["ttft_s"] < s["elapsed_s"]
+    assert s["weight_bytes_per_token"] == data["weight_bytes"]["bytes_per_token"] > 0
+    assert s["read_bandwidth_share"] == pytest.approx(
+        s["weight_bytes_per_token"] * s["decode_tokens_per_s"] / (data["machine"]["read_bandwidth_gbs"] * 1e9))
+    assert w["read_bandwidth_share"] is None  # batched: no single-stream decode rate
+    p = rows[("pagellm", "P")]  # one 64-token prompt, one output token
+    assert (p["prompt_tokens"], p["output_tokens"]) == (64, 1) and p["decode_tokens_per_s"] is None
+    assert p["prompt_tokens_per_s"] == pytest.approx(64 / p["ttft_s"]) and p["read_bandwidth_share"] is None
     assert rows[("vllm", "W")]["note"].startswith("skipped")
     assert 0 < data["machine_share"]["W"]["share"]
-    assert "vs pagellm" in res.stdout and "peak PSS MiB" in res.stdout
+    assert "vs pagellm" in res.stdout and "peak PSS MiB" in res.stdout and "of read bw" in res.stdout
 
 
 _FAKE_LLAMA_BENCH = """#!/usr/bin/env python3
@@ -274,6 +282,44 @@ def test_compare_single_stream_repeats_both_pagellm_paths(tmp_path: Path) -> Non
     assert lb["settings"].startswith("llama-bench -t ") and "-b 2048 -ub 512 -r 5" in lb["settings"]
     assert rows["pagellm-f32"]["settings"].startswith('LLM(**{"quantization": "none"}')
     assert "median of 2 runs" in res.stdout
+    # of read bw: the file's blocks for the quantized path and llama.cpp, float32 for pagellm-f32
+    weights, read = data["weight_bytes"], data["machine"]["read_bandwidth_gbs"] * 1e9
+    assert rows["pagellm"]["weight_bytes_per_token"] == lb["weight_bytes_per_token"] == weights["bytes_per_token"]
+    assert rows["pagellm-f32"]["weight_bytes_per_token"] == weights["float32_bytes_per_token"]
+    assert lb["read_bandwidth_share"] == pytest.approx(weights["bytes_per_token"] * 100.0 / read)
+    for name in ("pagellm", "pagellm-f32"):
+        r = rows[name]
+        assert r["read_bandwidth_share"] == pytest.approx(
+            r["weight_bytes_per_token"] * r["decode_tokens_per_s"] / read)
+
+
+def test_compare_prompt_workload(tmp_path: Path) -> None:
+    """P (one 64-token prompt, one output token, quick): pagellm's TTFT and prompt tok/s,
+    and llama-bench's `-p 64 -n 0` (a stand-in at 400 prompt tok/s), the ratio on prompt
+    tok/s."""
+    bench = tmp_path / "llama-bench"
+    bench.write_text(_FAKE_LLAMA_BENCH)
+    bench.chmod(0o755)
+    res = subprocess.run(
+        [sys.executable, "benchmarks/compare.py", "--quick", "--workloads", "P",
+         "--systems", "pagellm,llamacpp-bench", "--llama-bench", str(bench), "--results-dir", str(tmp_path)],
+        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {"pagellm", "llamacpp-bench"} and data["workloads"]["P"]["input_range"] == [64, 64]
+    p = rows["pagellm"]
+    assert (p["workload"], p["prompt_tokens"], p["output_tokens"]) == ("P", 64, 1)
+    assert 0 < p["ttft_s"] <= p["elapsed_s"] and p["prompt_tokens_per_s"] == pytest.approx(64 / p["ttft_s"])
+    assert p["decode_tokens_per_s"] is None and p["read_bandwidth_share"] is None
+    assert p["ratio_to_pagellm"] == 1.0
+    lb = rows["llamacpp-bench"]
+    assert lb["details"]["commands"][0][-4:] == ["-p", "64", "-n", "0"] and len(lb["details"]["commands"]) == 1
+    assert lb["ttft_s"] == pytest.approx(64 / 400) and lb["prompt_tokens_per_s"] == pytest.approx(400)
+    assert lb["ratio_to_pagellm"] == pytest.approx(400 / p["prompt_tokens_per_s"])
+    assert lb["note"] == "llama-bench: pp64" and lb["output_tokens"] == 1
+    assert "prompt tok/s" in res.stdout
 
 
 def test_compare_active_rows_start_with_spinning_openmp_threads(tmp_path: Path) -> None:
@@ -369,6 +415,81 @@ def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.Monk
     cmd, _, _, settings = compare.llamacpp_server_command(args, 8000, 100, 64, best=False)
     assert "-t" not in cmd and "-b" not in cmd and "llama.cpp's defaults" in settings
     assert "vllm-default" not in compare.parse_args(["--model", "m"]).systems.split(",")
+
+
+def _compare():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+    return compare
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_and_read_bandwidth_share(tmp_path: Path, tied: bool) -> None:
+    """Weight bytes per decoded token of a tiny synthetic GGUF, counted here from each
+    tensor's values and its type's block size: every tensor once but the embedding, of
+    which one row, unless the head is tied to it (no output.weight: then all of it); and
+    the share of the read bandwidth a decode rate takes."""
+    import gguf
+
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    compare = _compare()
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(str(path), SHAPES["tiny"], "q4_k_m", tied=tied)
+    shape = SHAPES["tiny"]
+    h = shape["hidden"]
+
+    def size(t) -> int:  # bytes of a tensor from its element count and type
+        block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        return int(t.n_elements) // block * type_size
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    assert ("output.weight" in tensors) is not tied
+    embd = tensors.pop("token_embd.weight")
+    assert int(embd.n_elements) == shape["vocab"] * h
+    block, type_size = gguf.GGML_QUANT_SIZES[embd.tensor_type]
+    row = h // block * type_size
+    expected = sum(size(t) for t in tensors.values()) + (size(embd) if tied else row)
+    expected_f32 = 4 * (sum(int(t.n_elements) for t in tensors.values()) + (shape["vocab"] * h if tied else h))
+    weights = compare.weight_bytes(str(path))
+    assert weights["bytes_per_token"] == expected and weights["float32_bytes_per_token"] == expected_f32
+    assert weights["tied_head"] is tied and weights["embedding_row_bytes"] == row
+    assert weights["embedding_bytes"] == size(embd) and weights["file_bytes"] == path.stat().st_size
+    assert compare.bandwidth_share(2e9, 10.0, 40.0) == 0.5
+
+    Row = compare.Row
+    rows = [Row("pagellm", "S", decode_tokens_per_s=50.0, details={"quantization": "gguf"}),
+            Row("pagellm-f32", "S", decode_tokens_per_s=20.0, details={"quantization": None}),
+            Row("llamacpp-bench", "S", decode_tokens_per_s=80.0), Row("hf", "S", decode_tokens_per_s=5.0),
+            Row("vllm", "S", decode_tokens_per_s=30.0), Row("pagellm", "W", decode_tokens_per_s=50.0,
+                                                           details={"quantization": "gguf"}),
+            Row("pagellm", "P", details={"quantization": "gguf"})]
+    compare.fill_bandwidth_shares(rows, weights, 25.0)
+    got = [(r.weight_bytes_per_token, r.read_bandwidth_share) for r in rows]
+    assert got[0] == (expected, pytest.approx(expected * 50 / 25e9))
+    assert got[1] == (expected_f32, pytest.approx(expected_f32 * 20 / 25e9))
+    assert got[2] == (expected, pytest.approx(expected * 80 / 25e9))
+    assert got[3] == (expected_f32, pytest.approx(expected_f32 * 5 / 25e9))
+    assert got[4:] == [(None, None)] * 3  # vLLM's dtype is its own; W and P are not decode rows
+
+
+def test_resolve_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model default / a synthetic shape name (written once under the cache dir) / a path."""
+    from pagellm.model_executor.loader import default_model_path
+
+    compare = _compare()
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    assert compare.resolve_model(None) == compare.resolve_model("default") == default_model_path()
+    assert compare.resolve_model("some/model.gguf") == "some/model.gguf"
+    path = Path(compare.resolve_model("tiny"))
+    assert path == tmp_path / "synthetic" / "tiny-q4_k_m.gguf" and path.stat().st_size > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no partial file left
+    mtime = path.stat().st_mtime_ns
+    assert compare.resolve_model("tiny") == str(path) and path.stat().st_mtime_ns == mtime
+    assert compare.weight_bytes(str(path))["tied_head"] is False
 
 
 def test_compare_run_order_and_medians() -> None:

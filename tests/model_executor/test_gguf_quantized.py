@@ -378,6 +378,13 @@ def test_q8_kernels_compute_the_int8_scheme(qtype: str, q8_isa: Any) -> None:
     assert err(y[rest], x[rest].astype(np.float64) @ ref.T) <= 1e-5
     if has_q8:
         assert err(y[picked], _round_activations(x[picked], 32) @ ref.T) <= 1e-5
+        # two levels (q8x2, and the head): the second rounds what the first left
+        y2 = gguf_method.gguf_matmul(groups, torch.from_numpy(x), n, picked, int8_levels=2).numpy()
+        first = _round_activations(x[picked], 32)
+        second = _round_activations((x[picked] - first).astype(np.float32), 32)
+        assert err(y2[picked], (first + second) @ ref.T) <= 1e-5
+        assert err(y2[picked], x[picked].astype(np.float64) @ ref.T) < err(y[picked], x[picked].astype(np.float64) @ ref.T) / 50
+        assert err(y2[rest], x[rest].astype(np.float64) @ ref.T) <= 1e-5
     if ours:  # over all rows: one row's error is too few terms to compare two schemes
         ours, exact, llama = (np.concatenate(a) for a in (ours, exact, llama))
         assert 1e-5 < err(ours, exact) <= err(llama, exact) * 1.001
@@ -405,9 +412,9 @@ def test_q8_activations_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "float32")
     assert get_quantization_config(mc).activations == "float32"
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of auto, float32, q8"):
+    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of auto, float32, q8, q8x2"):
         get_quantization_config(mc)
-    with pytest.raises(ValueError, match=r"gguf_activations='int8': choose one of auto, float32, q8"):
+    with pytest.raises(ValueError, match=r"gguf_activations='int8': choose one of auto, float32, q8, q8x2"):
         get_quantization_config(make_model_config(q4_k_m_file, quantization="gguf", gguf_activations="int8"))
 
 
@@ -464,7 +471,7 @@ def test_kernels_share_torchs_openmp_runtime() -> None:
 def test_q8_switch_is_checked_before_loading_and_said_ignored_off_gguf(
         q4_k_m_file: str, tiny_model: Any, monkeypatch: pytest.MonkeyPatch, logs: Any) -> None:
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of auto, float32, q8"):
+    with pytest.raises(ValueError, match=r"PAGELLM_GGUF_ACTIVATIONS='int4': choose one of auto, float32, q8, q8x2"):
         resolve_quantization(None, q4_k_m_file, "cpu")
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
     with logs.at_level(logging.WARNING, logger="pagellm"):

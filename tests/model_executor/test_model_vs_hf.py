@@ -32,7 +32,9 @@ LLAMA3_ROPE = {
 @pytest.fixture(scope="module")
 def gguf_pair(default_model_path: str) -> tuple[dict[str, Any], Any, Any]:
     """(pagellm model + config per quantization, HF model, tokenizer) for the default GGUF;
-    HF load ~35 s. "none": dequantized to float32 at load; "gguf": the file's blocks."""
+    HF load ~35 s. "none": dequantized to float32 at load; "gguf": the file's blocks on the
+    exact path (float32 activations; the default int8 path is held to quality bounds
+    against it instead: test_q8_quality.py)."""
     from transformers import AutoModelForCausalLM
 
     directory, name = os.path.split(default_model_path)
@@ -40,7 +42,8 @@ def gguf_pair(default_model_path: str) -> tuple[dict[str, Any], Any, Any]:
     ours = {}
     for quantization in ("none", "gguf"):
         mc = make_model_config(default_model_path,
-                               quantization=None if quantization == "none" else quantization)
+                               quantization=None if quantization == "none" else quantization,
+                               gguf_activations="float32")
         ours[quantization] = (get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)
     return ours, hf.eval(), load_tokenizer(default_model_path)
 
@@ -64,8 +67,8 @@ def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
 def test_default_gguf_greedy_matches_transformers(
     gguf_pair: tuple[dict[str, Any], Any, Any], kind: str, quantization: str
 ) -> None:
-    """Both weight paths, float32 dequantized at load and the quantized blocks, give
-    transformers' greedy tokens."""
+    """Both weight paths, float32 dequantized at load and the quantized blocks (exact path:
+    float32 activations), give transformers' greedy tokens."""
     models, hf, tok = gguf_pair
     ours, mc = models[quantization]
     if kind == "text":
@@ -263,7 +266,7 @@ def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tm
     assert 1.0 in factors and LLAMA3_ROPE["factor"] in factors  # all three bands present
     assert any(1.0 < f < LLAMA3_ROPE["factor"] for f in factors)
     path = _write_llama_gguf(model_dir, str(tmp_path / "tiny-llama3.gguf"), factors)
-    mc = make_model_config(path, quantization=quantization)
+    mc = make_model_config(path, quantization=quantization, gguf_activations="float32")
     assert mc.hf_config.rope_freq_factors == pytest.approx(factors)
     prompt = token_ids(130)  # past original 64 positions
     runner = PagedRunner(get_model(mc, torch.device("cpu"), get_attn_backend("torch")), mc)

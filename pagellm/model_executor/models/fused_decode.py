@@ -59,7 +59,8 @@ class _Layer(ctypes.Structure):  # pg_layer
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
-                              "table_stride", "max_slots", "direct_rows", "n_q8")],
+                              "table_stride", "max_slots", "direct_rows", "n_q8",
+                              "int8_levels")],
         ("eps", _f32), ("scale", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "q8_rows", "cos_table",
                               "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
@@ -78,13 +79,13 @@ def _weight_groups(layer: Linear) -> list[Any] | None:
     return None
 
 
-def _q8_activations(model: Any) -> bool:
-    """Whether the model's GGUF linears round decode-sized activations to int8 (one
-    setting for the whole model: GGUFConfig.activations)."""
+def _q8_activations(model: Any) -> tuple[bool, int]:
+    """(whether the model's GGUF linears round decode rows to int8, in how many levels):
+    one setting for the whole stack (GGUFConfig)."""
     methods = [m.quant_method for layer in model.layers for m in _linears(layer)]
-    q8 = {m.q8_activations for m in methods if isinstance(m, GGUFLinearMethod)}
+    q8 = {(m.q8_activations, m.int8_levels) for m in methods if isinstance(m, GGUFLinearMethod)}
     assert len(q8) <= 1, "one activation setting per model"
-    return q8 == {True}
+    return q8.pop() if q8 else (False, 1)
 
 
 def _max_rows(layer: Linear) -> int:
@@ -174,7 +175,7 @@ class FusedDecodeStack:
             setattr(self._step, name, buf.data_ptr())
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
-        self.q8 = _q8_activations(model)
+        self.q8, s.int8_levels = _q8_activations(model)
         """Whether the step's decode rows multiply int8 activations (int8_rows); the float
         rows then take the batched kernel at any count, as on the module path."""
         s.eps, s.scale, s.direct_rows = self.eps, self.scale, 0 if self.q8 else DIRECT_MAX_ROWS

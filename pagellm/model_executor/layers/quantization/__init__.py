@@ -27,7 +27,7 @@ QUANTIZATION_METHODS = ("gguf",)
 """Names `--quantization` takes besides 'none' (dequantize / keep the checkpoint dtype)."""
 
 
-GGUF_ACTIVATIONS = ("auto", "float32", "q8")
+GGUF_ACTIVATIONS = ("auto", "float32", "q8", "q8x2")
 """Values of EngineArgs.gguf_activations and PAGELLM_GGUF_ACTIVATIONS."""
 
 
@@ -48,9 +48,9 @@ def q8_kernels_available() -> bool:
 
 
 def resolve_gguf_activations(requested: str) -> str:
-    """'q8' or 'float32' for `requested` (an EngineArgs.gguf_activations value). 'auto'
-    takes PAGELLM_GGUF_ACTIVATIONS when set, else the fixed rule: q8 where the CPU has the
-    int8 kernels (measured faster there at every shape the stack runs, 135M to 8B:
+    """'float32', 'q8' or 'q8x2' for `requested` (an EngineArgs.gguf_activations value).
+    'auto' takes PAGELLM_GGUF_ACTIVATIONS when set, else the fixed rule: q8 where the CPU
+    has the int8 kernels (measured faster there at every shape the stack runs, 135M to 8B:
     benchmarks/README.md), float32 elsewhere. One machine and one model always get the
     same numerics: no timing decides."""
     from pagellm import envs

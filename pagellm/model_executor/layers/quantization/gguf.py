@@ -41,6 +41,14 @@ DIRECT_MAX_ROWS = 8
 BATCHED_MAX_ROWS = 256
 """Input rows up to which `pg_gemm_batched` runs; above, dequantized tiles + matmul."""
 
+HEAD_INT8_LEVELS = 2
+"""The logits head rounds its activations in two int8 levels: x ~ d1 q1 + d2 q2, q2 the
+rounded residual (an error ~1/250 of one level's). The head decides the next token from
+logits whose top two are often close; one level there changed the default model's first
+token of its README answer ("The capital of France is Paris." -> "L'Étoile, la Cité, ...").
+A second level costs one more int8 pass over the head's rows (each weight row unpacked
+once for both): a few percent of a decode step."""
+
 Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations (the q8 path): a step's decode
 rows, or a logits head's rows. Past it every row takes float32, where the batched float
@@ -67,8 +75,13 @@ class WeightGroup:
         self.ptr = self.data.ctypes.data  # read once: a ctypes lookup per call costs ~1 us
 
 
-ACTIVATIONS = ("float32", "q8")
+ACTIVATIONS = ("float32", "q8", "q8x2")
 """Resolved activation paths (quantization.resolve_gguf_activations picks one)."""
+
+INT8_LEVELS = {"float32": 1, "q8": 1, "q8x2": 2}
+"""int8 levels of a decoder layer's int8 rows per path: q8 rounds once (llama.cpp's
+scheme), q8x2 also rounds what the first level left (x ~ d1 q1 + d2 q2), which gives the
+exact path's greedy tokens on real text at ~0.75x q8's decode speed (benchmarks/README.md)."""
 
 _logged_activations: set[str] = set()
 
@@ -86,12 +99,15 @@ class GGUFConfig(QuantizationConfig):
         self.activations = activations
         if activations not in _logged_activations:  # once per process and path
             _logged_activations.add(activations)
-            if activations == "q8":
-                logger.info("GGUF linears: decode steps of up to %d rows multiply int8-rounded "
-                            "activations (llama.cpp's scheme); gguf_activations='float32' "
-                            "(PAGELLM_GGUF_ACTIVATIONS=float32) for the exact path", DIRECT_MAX_ROWS)
-            else:
+            if activations == "float32":
                 logger.info("GGUF linears: float32 activations (the exact path)")
+            else:
+                logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
+                            "rounded to int8 in %s (%s), the head's in two; prompt rows float32; "
+                            "gguf_activations='float32' (PAGELLM_GGUF_ACTIVATIONS=float32) for "
+                            "the exact path", Q8_MAX_ROWS,
+                            "one level" if activations == "q8" else "two levels",
+                            "llama.cpp's scheme" if activations == "q8" else "q8x2")
 
     @classmethod
     def get_name(cls) -> str:
@@ -101,7 +117,9 @@ class GGUFConfig(QuantizationConfig):
         from pagellm.model_executor.layers.linear import Embedding, Linear
 
         if isinstance(layer, Linear):
-            return GGUFLinearMethod(q8_activations=self.activations == "q8")
+            # the head's int8 activations in two levels (HEAD_INT8_LEVELS)
+            levels = HEAD_INT8_LEVELS if prefix == "lm_head" else INT8_LEVELS[self.activations]
+            return GGUFLinearMethod(q8_activations=self.activations != "float32", int8_levels=levels)
         if isinstance(layer, Embedding):
             return GGUFEmbeddingMethod()
         return None
@@ -147,8 +165,9 @@ def _owned_rows(part: Any) -> np.ndarray:
 class GGUFLinearMethod(QuantizeMethodBase):
     """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`)."""
 
-    def __init__(self, q8_activations: bool = False) -> None:
+    def __init__(self, q8_activations: bool = False, int8_levels: int = 1) -> None:
         self.q8_activations = q8_activations
+        self.int8_levels = int8_levels
 
     def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
                        bias: bool) -> None:
@@ -183,7 +202,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.q8_activations:  # float32 rows take the batched kernel at any count
             y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(x.shape[0]),
-                            float_direct_rows=0)
+                            float_direct_rows=0, int8_levels=self.int8_levels)
         else:
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
@@ -231,14 +250,15 @@ def _scratch_tile(values: int) -> torch.Tensor:
 
 def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
                 q8_rows: slice | torch.Tensor | bool | None = None,
-                float_direct_rows: int = DIRECT_MAX_ROWS) -> torch.Tensor:
+                float_direct_rows: int = DIRECT_MAX_ROWS, int8_levels: int = 1) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups.
     `q8_rows` (see int8_rows; True: every row) multiply int8-rounded activations where a
     group's type has a q8 kernel (ggml_q8.c); other rows and groups keep float32, through
     the direct kernel up to `float_direct_rows` rows, else the batched one. The q8 path
     gives 0: pg_gemm_batched's sums do not depend on the row count, so a prompt's float
     rows get the same numbers whatever else its step holds (the direct kernel's differ in
-    rounding, which int8 rounding downstream could turn into a different token)."""
+    rounding, which int8 rounding downstream could turn into a different token).
+    `int8_levels` 2 rounds the int8 rows in two levels (HEAD_INT8_LEVELS)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
@@ -253,11 +273,12 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     y = _float_product(lib, float_groups, x, n_out, float_direct_rows) if float_groups else None
     if q8_groups:  # the int8 rows again (all of them: every row), in the q8 groups' columns
         xq = x if every else x[q8_rows]
-        qx, dx, sx = _quantize_q8(lib, xq)
+        qx, dx, sx = _quantize_q8(lib, xq, int8_levels)
         out = torch.empty(xq.shape[0], n_out, dtype=torch.float32)
         for g in q8_groups:
             if lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
-                              sx.data_ptr(), xq.shape[0], out.data_ptr() + 4 * g.row_start, n_out):
+                              sx.data_ptr(), xq.shape[0], int8_levels,
+                              out.data_ptr() + 4 * g.row_start, n_out):
                 raise RuntimeError(f"GGUF q8 kernel failed for type {g.qtype}")
         if every and y is None:
             return out
@@ -306,13 +327,14 @@ def _float_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor, n_out: 
     return y
 
 
-def _quantize_q8(lib: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """x [M, K] -> (int8 values [M, K], scales [M, K/32], sums per 16 [M, K/16])."""
+def _quantize_q8(lib: Any, x: torch.Tensor, levels: int = 1) -> tuple[torch.Tensor, ...]:
+    """x [M, K] -> (int8 values [M * levels, K], scales [M * levels, K/32], sums per 16
+    [M * levels, K/16]): row m * levels + l is level l of x[m] (ggml_q8.c)."""
     m, k = x.shape
-    qx = torch.empty(m, k, dtype=torch.int8)
-    dx = torch.empty(m, k // 32, dtype=torch.float32)
-    sx = torch.empty(m, k // 16, dtype=torch.int32)
-    lib.pg_quantize_q8(x.data_ptr(), k, m, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    qx = torch.empty(m * levels, k, dtype=torch.int8)
+    dx = torch.empty(m * levels, k // 32, dtype=torch.float32)
+    sx = torch.empty(m * levels, k // 16, dtype=torch.int32)
+    lib.pg_quantize_q8(x.data_ptr(), k, m, k, levels, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
     return qx, dx, sx
 
 
