@@ -7,6 +7,7 @@ EngineCoreProc wraps it in a process; InprocClient calls it directly.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import os
 import queue
@@ -75,6 +76,12 @@ class EngineCore:
         self._early_aborts: queue.SimpleQueue[tuple[int, list[str]]] = queue.SimpleQueue()
         self._aborts_done: set[int] = set()
         self._aborts_left: dict[int, list[str]] = {}
+        # What loading left (torch, the model, the tokenizer: millions of objects) moves
+        # to the collector's permanent generation, as vLLM's engine core does: a full
+        # collection during decoding then scans only what steps allocate (profiled on the
+        # default model before: 5% of a decode step's time in gc_collect_main).
+        gc.collect()
+        gc.freeze()
         logger.info("Engine core ready in %.2f s", time.perf_counter() - start)
 
     def ready_response(self) -> EngineCoreReadyResponse:

@@ -424,8 +424,6 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
     const float offset = type == Q_Q4_0 ? -8.0f : type == Q_Q8_0 ? -128.0f : 0.0f;
     const __m512i low4 = _mm512_set1_epi8(0x0F), lane8 = lane_div(3);
     const __m512i halves = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-    const __m256i block_at = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm256_set1_epi32((int)bytes));
     __m512 acc[ROWS512];
     __m256 off[ROWS512];
     for (int r = 0; r < R; r++) {
@@ -434,10 +432,14 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
     }
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int n = groups - g0 < 8 ? (int)(groups - g0) : 8;
-        /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum */
-        const __m256i head = _mm256_mmask_i32gather_epi32(
-            _mm256_setzero_si256(), (__mmask8)((1u << n) - 1), block_at,
-            (const int *)(row + g0 * bytes), 1);
+        /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum; read one
+         * by one into lanes (a gather is microcoded and slow on AMD's cores) */
+        int32_t h[8];
+        for (int i = 0; i < 8; i++) {
+            h[i] = 0;
+            if (i < n) memcpy(&h[i], row + (g0 + i) * bytes, 4);
+        }
+        const __m256i head = _mm256_set_epi32(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]);
         const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
         const __m256 m8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)));
         __m512 S[ROWS512];
