@@ -110,11 +110,17 @@ class ForwardContext:
 
     attn_metadata: Any
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # indexed by layer
+    generated_rows: slice | torch.Tensor | None = None
+    """Rows whose input is a generated token (one-token decodes past the prompt), as the
+    model runner knows them; None: not given (then `decode_rows` reads the metadata)."""
 
     @property
     def decode_rows(self) -> slice | torch.Tensor | None:
-        """Rows of the step's flattened batch that are one-token decodes (a slice when
-        contiguous), as the backend's metadata gives them (`decode_rows`); None: none."""
+        """Rows of the step's flattened batch that decode a generated token: the runner's
+        `generated_rows`, else the one-token rows of the backend's metadata
+        (`decode_rows`; a prompt's last token read alone counts there too). None: none."""
+        if self.generated_rows is not None:
+            return self.generated_rows
         return getattr(self.attn_metadata, "decode_rows", None)
 
 
@@ -122,10 +128,11 @@ _forward_context: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Any, kv_caches: list) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, kv_caches: list,
+                        generated_rows: slice | torch.Tensor | None = None) -> Iterator[None]:
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, generated_rows)
     try:
         yield
     finally:

@@ -1,9 +1,13 @@
-/* Opt-in 8-bit activations for GGUF weights (PAGELLM_GGUF_ACTIVATIONS=q8), as llama.cpp
- * computes: each input row is quantized per 32 values to int8 with one float scale
- * (round(x / d), d = max|x| / 127), and a weight group's integer values are multiplied
- * with them in integers (AVX2 maddubs), the scales applied once per group. The weights'
- * values are the file's exactly; the activations are approximated (~0.4% per value),
- * so results differ from the float32 path beyond summation order: never the default.
+/* 8-bit activations for GGUF weights, as llama.cpp computes them: each input row is
+ * quantized per 32 values to int8 with one float scale (round(x / d), d = max|x| / 127),
+ * and a weight group's integer values are multiplied with them in integers (AVX-512
+ * VNNI vpdpbusd, chosen at run time; else AVX2 maddubs, or AVX-VNNI where built with it),
+ * the scales applied once per group. The weights' values are the file's exactly; the
+ * activations are approximated (~0.4% per value). A row may be rounded in two levels
+ * (the second rounds what the first left: x ~ d1 q1 + d2 q2, ~1/250 of one level's
+ * error), multiplied as two rows and summed. The default for GGUF decode rows where the
+ * CPU has these kernels (EngineArgs.gguf_activations: q8 one level, the head two; q8x2
+ * two everywhere); float32 is the exact path (ggml_cpu.c).
  *
  *   pg_quantize_q8  X [M, K] float -> QX [M L, K] int8, DX [M L, K/32] scales,
  *                   SX [M L, K/16] sums of each 16 int8 values, in L levels per row

@@ -159,7 +159,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(sched)
         attn_metadata = self.attn_builder.build(inputs.common)
-        with set_forward_context(attn_metadata, self.kv_caches):
+        with set_forward_context(attn_metadata, self.kv_caches, self._generated_rows(inputs)):
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
 
@@ -221,6 +221,22 @@ class ModelRunner:
                     f"request {req_id}: the scheduler counts {num_computed} computed tokens, "
                     f"the model runner {mine}"
                 )
+
+    def _generated_rows(self, inputs: _StepInputs) -> slice | torch.Tensor:
+        """Rows of the step that read a generated token (one scheduled token at or past the
+        request's prompt): the rows GGUF linears may multiply in int8
+        (quantization.gguf.int8_rows). A prompt's last token read alone (after a prefix-
+        cache hit, or a chunk boundary) is a prompt row, as it is when read with the rest."""
+        batch = self.input_batch
+        assert batch is not None
+        generated = (inputs.num_sched == 1) & (
+            inputs.positions_np[inputs.cu[:-1]] >= batch.num_prompt_tokens[inputs.rows])
+        picked = inputs.cu[:-1][generated]
+        if len(picked) == 0:
+            return slice(0, 0)
+        if picked[-1] - picked[0] == len(picked) - 1:
+            return slice(int(picked[0]), int(picked[-1]) + 1)
+        return torch.from_numpy(picked)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
         """Flattens the scheduled requests (in row order) into one token batch.

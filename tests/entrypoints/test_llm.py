@@ -52,11 +52,19 @@ def test_batch_equals_one_at_a_time(llm: LLM) -> None:
     assert all(len(o.outputs[0].token_ids) == 24 for o in batched)
 
 
-def test_preemption_keeps_results_and_frees_blocks(llm: LLM, monkeypatch) -> None:
-    expected = _texts(llm.generate(PROMPTS[:8], GREEDY, use_tqdm=False))
+def test_preemption_keeps_results_and_frees_blocks(monkeypatch) -> None:
+    """On the exact path (float32 activations) a preempted request's recomputed tokens
+    give the numbers their first computation gave. (On the int8 path the recompute reads
+    them as prompt rows, float32: its later tokens may differ, as in vLLM.)"""
+    exact = LLM(multiprocess_mode=False, gguf_activations="float32")
+    try:
+        expected = _texts(exact.generate(PROMPTS[:8], GREEDY, use_tqdm=False))
+    finally:
+        exact.shutdown()
     monkeypatch.setenv("PAGELLM_CHECK_INVARIANTS", "1")
     # 8 prompts of ~6 tokens + 24 outputs need ~2 blocks each; 10 blocks force preemption.
-    small = LLM(multiprocess_mode=False, num_gpu_blocks_override=10, block_size=8, max_num_seqs=8, max_model_len=72)
+    small = LLM(multiprocess_mode=False, num_gpu_blocks_override=10, block_size=8, max_num_seqs=8,
+                max_model_len=72, gguf_activations="float32")
     try:
         core = _core(small)
         assert core.check_invariants
@@ -70,6 +78,20 @@ def test_preemption_keeps_results_and_frees_blocks(llm: LLM, monkeypatch) -> Non
         assert pool.get_num_free_blocks() == pool.num_usable_blocks == 9  # block 0 is the null block
     finally:
         small.shutdown()
+
+
+def test_whole_prompt_prefix_hit_gives_the_same_greedy_tokens(llm: LLM) -> None:
+    """A prompt of 33 tokens is read again from its last token alone (2 full blocks of 16
+    cached): that row is a prompt row, float32, as when the prompt was read whole, not an
+    int8 decode row, so greedy tokens repeat exactly."""
+    tok = llm.get_tokenizer()
+    ids = tok.encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 10),
+                     add_special_tokens=False)[:33]
+    llm.reset_prefix_cache()
+    first = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_prefix_caching_hits_and_same_output(llm: LLM) -> None:

@@ -418,6 +418,26 @@ def test_q8_activations_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch
         get_quantization_config(make_model_config(q4_k_m_file, quantization="gguf", gguf_activations="int8"))
 
 
+def test_gguf_activations_engine_argument(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineArgs.gguf_activations is checked before loading and stored resolved in the
+    config the engine core gets; PAGELLM_GGUF_ACTIVATIONS replaces only 'auto'."""
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.model_executor.layers.quantization import q8_kernels_available
+
+    monkeypatch.delenv("PAGELLM_GGUF_ACTIVATIONS", raising=False)
+    with pytest.raises(ValueError, match=r"^gguf_activations='int8': choose one of auto, float32, q8, q8x2$"):
+        EngineArgs(model=q4_k_m_file, gguf_activations="int8").verify_args()
+    auto = EngineArgs(model=q4_k_m_file).create_engine_config().model_config
+    assert auto.gguf_activations == ("q8" if q8_kernels_available() else "float32")
+    for value in ("float32", "q8", "q8x2"):
+        mc = EngineArgs(model=q4_k_m_file, gguf_activations=value).create_engine_config().model_config
+        assert mc.gguf_activations == value
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8x2")
+    assert EngineArgs(model=q4_k_m_file).create_engine_config().model_config.gguf_activations == "q8x2"
+    exact = EngineArgs(model=q4_k_m_file, gguf_activations="float32").create_engine_config()
+    assert exact.model_config.gguf_activations == "float32"
+
+
 def test_unwritable_kernel_cache_still_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
                                               logs: Any) -> None:
     """A cache directory that cannot be created (a file stands in its way) costs a
