@@ -47,7 +47,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LOCKSTEP = 8
 """Chunks read together, one decode row each per step."""
 BLOCK_SIZE = 16
-ACTIVATIONS = ("float32", "q8")
+ACTIVATIONS = ("float32", "q8", "q8x2")
 RESULT_KEYS = ("date", "model", "model_name", "text", "text_chars", "ctx", "add_bos", "tokens",
                "chunks", "scored_tokens", "pagellm", "q8_over_float32", "q8_over_float32_se",
                "top1_agreement",
