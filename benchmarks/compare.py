@@ -1292,13 +1292,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return run_as_worker(args)
-    result = run_comparison(args)
-    out_dir = Path(args.results_dir)
+    write_results(run_comparison(args), args.results_dir)
+    return 0
+
+
+def write_results(result: dict[str, Any], results_dir: str, prefix: str = "") -> Path:
+    """`result` as <results_dir>/<prefix><timestamp>.json (the path printed and returned)."""
+    out_dir = Path(results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    path = out_dir / f"{prefix}{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results written to {path}")
-    return 0
+    return path
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ tokenizer and keeps its KV cache in float16. Writes benchmarks/results/perplexit
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import re
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import cpu_model, physical_cores, resolve_model  # noqa: E402
+from compare import cpu_model, physical_cores, resolve_model, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = ROOT / "tests" / "data" / "public_domain_english.txt"
@@ -299,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="Text file (default: %(default)s).")
     p.add_argument("--ctx", type=int, default=512, help="Tokens per chunk, llama-perplexity's -c.")
     p.add_argument("--activations", default="float32,q8",
-                   help="Comma list of GGUF activation paths to measure: float32, q8.")
+                   help="Comma list of GGUF activation paths to measure: float32, q8, q8x2.")
     p.add_argument("--llama-perplexity", default=None, help="llama.cpp's llama-perplexity binary.")
     p.add_argument("--timeout", type=float, default=3600.0, help="Seconds llama-perplexity may run.")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -316,11 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = measure(args)
     print_table(result)
-    out_dir = Path(args.results_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"perplexity-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {path}")
+    write_results(result, args.results_dir, "perplexity-")
     return 0
 
 

@@ -246,3 +246,16 @@ class PagedRunner:
             if len(out) < max_new_tokens:
                 logits = self.step([(seq_id, 1)])
         return out
+
+
+def import_benchmark(name: str) -> Any:
+    """A script of benchmarks/ (compare.py, perplexity.py, ...) as a module: they are
+    scripts, not a package, and import each other by name."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -45,9 +45,9 @@ class ModelConfig:
     """Most logprobs (and prompt logprobs) per token a request may ask for; -1 means
     the vocabulary size. vLLM's ModelConfig.max_logprobs, with its default."""
     gguf_activations: str = "auto"
-    """Activations of GGUF linears in decode-sized steps: 'q8' (int8 per 32 values, as
-    llama.cpp) or 'float32' (exact); EngineArgs stores it resolved, 'auto' (the rule in
-    quantization.resolve_gguf_activations) is resolved when the model loads."""
+    """Activations of GGUF linears on decode rows: 'q8' (int8 per 32 values, as llama.cpp),
+    'q8x2' (two int8 levels) or 'float32' (exact); EngineArgs stores it resolved, 'auto'
+    (the rule in quantization.resolve_gguf_activations) is resolved when the model loads."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # torch.float32 -> 'float32'

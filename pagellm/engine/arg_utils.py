@@ -245,6 +245,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from pagellm.entrypoints.openai.model_names import served_model_names
         from pagellm.model_executor import loader
+        from pagellm.model_executor.layers.quantization import resolve_gguf_activations
 
         self.verify_args()
         device = self._resolve_device()
@@ -262,7 +263,7 @@ class EngineArgs:
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),
             max_logprobs=self.max_logprobs,
-            gguf_activations=self._resolve_gguf_activations(model_path, device),
+            gguf_activations=resolve_gguf_activations(self.gguf_activations),
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -385,11 +386,6 @@ class EngineArgs:
         from pagellm.model_executor.layers.quantization import resolve_quantization
 
         return resolve_quantization(self.quantization, model_path, device)
-
-    def _resolve_gguf_activations(self, model_path: str, device: str) -> str:
-        from pagellm.model_executor.layers.quantization import resolve_gguf_activations
-
-        return resolve_gguf_activations(self.gguf_activations)
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         from pagellm.model_executor.arch_config import context_length

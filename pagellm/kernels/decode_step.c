@@ -4,7 +4,9 @@
  *
  *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
  *   qkv = normed @ Wqkv.T (+ b)            per group: pg_gemm (up to direct_rows rows) or
- *                                          pg_gemm_batched, or pg_gemm_f32_blocked
+ *                                          pg_gemm_batched, or pg_gemm_f32_blocked; the
+ *                                          step's n_q8 decode rows through pg_gemm_q8
+ *                                          (x rounded to int8 once per linear)
  *   rotate q|k heads of qkv in place                                      pg_rope
  *   k, v heads -> this layer's paged cache                                pg_write_kv
  *   attn = decode attention of the q heads over the cache                 pg_paged_decode
@@ -157,10 +159,8 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
         if (every && q8_group(w))
-            pg_gemm_q8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx, sc->dx,
-                            sc->sx, T, s->int8_levels, y + w->row_start, L->n_out, s->q8_rows,
-                            team);
-        else if (w->block > 0)
+            continue; /* int8 only, below */
+        if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);
         else if (T <= direct_rows)
@@ -171,8 +171,8 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
                                  L->n_in, T, y + w->row_start, L->n_out, sc->xp, sc->wrow,
                                  team);
     }
-    pg_team_sync(team);
-    if (q8 && !every) {
+    if (q8) { /* some rows: after their float32 values are in y, which these replace */
+        if (!every) pg_team_sync(team);
         for (int64_t g = 0; g < L->n_groups; g++) {
             const pg_weight_group *w = &L->groups[g];
             if (q8_group(w))
@@ -180,8 +180,8 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
                                 sc->dx, sc->sx, s->n_q8, s->int8_levels, y + w->row_start,
                                 L->n_out, s->q8_rows, team);
         }
-        pg_team_sync(team);
     }
+    pg_team_sync(team);
     if (L->bias != NULL) {
         int64_t t0, t1;
         pg_share(T, team, &t0, &t1);

@@ -50,7 +50,10 @@ int pg_q8_supported(int type) {
  * and the sums of q's two halves. */
 static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) {
     float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    for (int j = 0; j < 32; j++) { /* not fmaxf: a libm call per value in this build */
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t s0 = 0, s1 = 0;
     for (int j = 0; j < 32; j++) {

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pagellm.benchmarks import datasets, latency, serve, throughput
+from tests.utils import import_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -384,11 +385,7 @@ def test_compare_llamacpp_batched_runs_fixed_length_workloads(tmp_path: Path) ->
 def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The best-settings rows carry the documented env and flags; the *-default rows only
     what the workload needs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
+    compare = import_benchmark("compare")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_text("")
@@ -417,15 +414,6 @@ def test_peer_settings_best_and_default(tmp_path: Path, monkeypatch: pytest.Monk
     assert "vllm-default" not in compare.parse_args(["--model", "m"]).systems.split(",")
 
 
-def _compare():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
-    return compare
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_weight_bytes_and_read_bandwidth_share(tmp_path: Path, tied: bool) -> None:
     """Weight bytes per decoded token of a tiny synthetic GGUF, counted here from each
@@ -436,7 +424,7 @@ def test_weight_bytes_and_read_bandwidth_share(tmp_path: Path, tied: bool) -> No
 
     from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
 
-    compare = _compare()
+    compare = import_benchmark("compare")
     path = tmp_path / "tiny.gguf"
     write_llama_gguf(str(path), SHAPES["tiny"], "q4_k_m", tied=tied)
     shape = SHAPES["tiny"]
@@ -480,7 +468,7 @@ def test_resolve_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     """--model default / a synthetic shape name (written once under the cache dir) / a path."""
     from pagellm.model_executor.loader import default_model_path
 
-    compare = _compare()
+    compare = import_benchmark("compare")
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     assert compare.resolve_model(None) == compare.resolve_model("default") == default_model_path()
     assert compare.resolve_model("some/model.gguf") == "some/model.gguf"
@@ -493,11 +481,7 @@ def test_resolve_model_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_compare_run_order_and_medians() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
+    compare = import_benchmark("compare")
     assert compare.run_order(["a", "b"], 3, "abab") == ["a", "b"] * 3
     assert compare.run_order(["a", "b"], 3, "abba") == ["a", "b", "b", "a", "a", "b"]
     outs = [{"output_tokens": 256, "prompt_tokens": 128, "elapsed_s": e, "ready_time": 5.0,
@@ -537,11 +521,7 @@ def test_compare_serve_writes_table(tmp_path: Path) -> None:
 
 def test_tpot_model_matches_hand_counted_schedules() -> None:
     """benchmarks/tpot_model.py on loads small enough to count by hand."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:
-        from tpot_model import simulate
-    finally:
-        sys.path.pop(0)
+    simulate = import_benchmark("tpot_model").simulate
     args = dict(fixed=0.01, per_decode=0.002, per_prompt=0.001, input_len=100, output_len=5, max_running=10**9, seed=0)
     # one request: a 0.11 s prefill step yields the first token, then 4 decode steps of 0.012 s
     ttft, tpot = simulate(rate=float("inf"), num_requests=1, budget=2048, **args)

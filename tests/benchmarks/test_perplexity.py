@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.utils import import_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "tests" / "data" / "public_domain_english.txt"
 
 
 def _perplexity():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import perplexity
-    finally:
-        sys.path.pop(0)
-    return perplexity
+    return import_benchmark("perplexity")
 
 
 def test_chunks_follow_llama_perplexity() -> None:

@@ -249,10 +249,10 @@ def _scratch_tile(values: int) -> torch.Tensor:
 
 
 def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
-                q8_rows: slice | torch.Tensor | bool | None = None,
+                q8_rows: slice | torch.Tensor | None = None,
                 float_direct_rows: int = DIRECT_MAX_ROWS, int8_levels: int = 1) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups.
-    `q8_rows` (see int8_rows; True: every row) multiply int8-rounded activations where a
+    `q8_rows` (see int8_rows) multiply int8-rounded activations where a
     group's type has a q8 kernel (ggml_q8.c); other rows and groups keep float32, through
     the direct kernel up to `float_direct_rows` rows, else the batched one. The q8 path
     gives 0: pg_gemm_batched's sums do not depend on the row count, so a prompt's float
@@ -264,32 +264,28 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
     x = x.contiguous()
     m, k = x.shape
-    if q8_rows is True:
-        q8_rows = slice(0, m)
     q8_groups = ([g for g in groups if lib.pg_q8_supported(g.qtype)]
-                 if q8_rows is not None and q8_rows is not False and k % 32 == 0 else [])  # fmt: skip
+                 if q8_rows is not None and k % 32 == 0 else [])  # fmt: skip
     every = bool(q8_groups) and isinstance(q8_rows, slice) and (q8_rows.start, q8_rows.stop) == (0, m)
     float_groups = [g for g in groups if g not in q8_groups] if every else groups
     y = _float_product(lib, float_groups, x, n_out, float_direct_rows) if float_groups else None
-    if q8_groups:  # the int8 rows again (all of them: every row), in the q8 groups' columns
-        xq = x if every else x[q8_rows]
-        qx, dx, sx = _quantize_q8(lib, xq, int8_levels)
-        out = torch.empty(xq.shape[0], n_out, dtype=torch.float32)
-        for g in q8_groups:
-            if lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
-                              sx.data_ptr(), xq.shape[0], int8_levels,
-                              out.data_ptr() + 4 * g.row_start, n_out):
-                raise RuntimeError(f"GGUF q8 kernel failed for type {g.qtype}")
-        if every and y is None:
-            return out
-        if y is None:
-            y = torch.empty(m, n_out, dtype=torch.float32)
-        for g in q8_groups:
-            cols = slice(g.row_start, g.row_start + g.rows)
-            if every:
-                y[:, cols] = out[:, cols]
-            else:
-                y[q8_rows, cols] = out[:, cols]
+    if not q8_groups:
+        return y
+    # every row: the q8 groups' columns of y; some rows: those rows again, into a scratch
+    # result whose q8 columns then replace theirs
+    xq = x if every else x[q8_rows]
+    qx, dx, sx = _quantize_q8(lib, xq, int8_levels)
+    out = y if every and y is not None else torch.empty(xq.shape[0], n_out, dtype=torch.float32)
+    for g in q8_groups:
+        if lib.pg_gemm_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
+                          sx.data_ptr(), xq.shape[0], int8_levels, out.data_ptr() + 4 * g.row_start,
+                          n_out):
+            raise RuntimeError(f"GGUF q8 kernel failed for type {g.qtype}")
+    if every:
+        return out
+    for g in q8_groups:
+        cols = slice(g.row_start, g.row_start + g.rows)
+        y[q8_rows, cols] = out[:, cols]
     return y
 
 
