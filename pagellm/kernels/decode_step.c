@@ -142,6 +142,45 @@ static int takes_q8(const pg_linear *L, const pg_step *s) {
     return 0;
 }
 
+/* 0: every-int8 steps split each q8 product statically too (for A/B measurements). */
+int pg_q8_claim = 1;
+
+/* Rows of a q8 group per claimed chunk: ~64 KB of weights (a few microseconds), at least
+ * 16 rows. */
+static int64_t chunk_rows(const pg_weight_group *w) {
+    const int64_t rows = 65536 / w->row_bytes;
+    return rows < 16 ? 16 : rows;
+}
+
+/* The q8 groups of L for every row of a step (all int8), in chunks of rows the team claims
+ * as it goes: a decode step is a few hundred of these products, and a static split waits
+ * at each for the thread that a shared VM slowed. Each output is the same dot product
+ * whoever computes it. */
+static void q8_claimed(const pg_linear *L, const pg_step *s, const scratch *sc, float *y,
+                       const pg_team *team) {
+    const pg_team alone = {0, 1, NULL};
+    int64_t total = 0, taken = 0;
+    for (int64_t g = 0; g < L->n_groups; g++)
+        if (q8_group(&L->groups[g]))
+            total += (L->groups[g].rows + chunk_rows(&L->groups[g]) - 1) / chunk_rows(&L->groups[g]);
+    for (int64_t c; (c = pg_claim(team, total, &taken)) >= 0;) {
+        for (int64_t g = 0; g < L->n_groups; g++) { /* the group and rows of chunk c */
+            const pg_weight_group *w = &L->groups[g];
+            if (!q8_group(w)) continue;
+            const int64_t per = chunk_rows(w), n = (w->rows + per - 1) / per;
+            if (c >= n) {
+                c -= n;
+                continue;
+            }
+            const int64_t r0 = c * per, rows = w->rows - r0 < per ? w->rows - r0 : per;
+            pg_gemm_q8_part((int)w->type, w->data + r0 * w->row_bytes, w->row_bytes, rows,
+                            L->n_in, sc->qx, sc->dx, sc->sx, s->n_q8, s->int8_levels,
+                            y + w->row_start + r0, L->n_out, s->q8_rows, &alone);
+            break;
+        }
+    }
+}
+
 /* y = x @ W.T (+ bias) for T rows, with the kernel the module path picks for T rows:
  * this thread's columns of every group, then (after the team has met) its rows of the
  * bias. */
@@ -152,6 +191,7 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
      * float32 first, then the decode rows' columns of q8 groups again, in int8) */
     const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
     if (q8) { /* the q8 rows rounded once for every group */
+        pg_claim_reset(team); /* idle: the team met after the last claims */
         pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, s->int8_levels, sc->qx,
                             sc->dx, sc->sx, team);
         pg_team_sync(team);
@@ -171,7 +211,9 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
                                  L->n_in, T, y + w->row_start, L->n_out, sc->xp, sc->wrow,
                                  team);
     }
-    if (q8) { /* some rows: after their float32 values are in y, which these replace */
+    if (every && pg_q8_claim) {
+        q8_claimed(L, s, sc, y, team);
+    } else if (q8) { /* some rows: after their float32 values are in y, which these replace */
         if (!every) pg_team_sync(team);
         for (int64_t g = 0; g < L->n_groups; g++) {
             const pg_weight_group *w = &L->groups[g];

@@ -20,6 +20,16 @@
 #include "ggml_common.h"
 #include "team.h"
 
+/* How far ahead of the weights being read the kernels ask for the next ones (bytes; a
+ * row's end runs into the next row, which follows it). The hardware prefetcher alone
+ * leaves a decode step waiting on memory: on the 8B-shaped file (2 cores, AVX-512 VNNI),
+ * decode speed relative to 4096 bytes: 512 0.80x, 1024 0.87x, 2048 0.94x, 8192 0.97x,
+ * none 0.78x (chained from pairwise A/B runs in one process, alternating every step). */
+#define PF_AHEAD 4096
+#define PREFETCH(p, bytes)                                                                   \
+    for (int pf_ = 0; pf_ < (bytes); pf_ += 64)                                              \
+        _mm_prefetch((const char *)(p) + PF_AHEAD + pf_, _MM_HINT_T0)
+
 /* Products below this many multiply-adds run on the calling thread alone. */
 #define Q8_PARALLEL_MIN 262144
 
@@ -129,6 +139,7 @@ static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
         float extra = 0.0f;                                                              \
         for (int64_t g = 0; g < groups; g++) {                                           \
             const uint8_t *b = row + (BYTES) * g;                                        \
+            PREFETCH(b, 1);                                                              \
             __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));              \
             float d_x = dx[g];                                                           \
             int32_t sum_x = sx[2 * g] + sx[2 * g + 1];                                   \
@@ -188,6 +199,7 @@ static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx
     int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * bytes;
+        PREFETCH(b, bytes);
         uint8_t sc[8], mn[8];
         k4_scales(b + 4, sc, mn);
         float d = pg_f16(b), dmin = pg_f16(b + 2);
@@ -226,6 +238,7 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
     const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * 210;
+        PREFETCH(b, 210);
         float d = pg_f16(b + 208);
         const int8_t *scales = (const int8_t *)(b + 192);
         for (int h = 0; h < 2; h++) {
@@ -328,14 +341,15 @@ VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, cons
                                            const int high5, const int R, float *y, int64_t ldy) {
     const int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
     const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), lane8 = lane_div(3);
-    __m512 acc[ROWS512];
+    __m512 acc[ROWS512][2]; /* two chains per row: consecutive FMAs do not wait on each other */
     __m256 mins[ROWS512];
     for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
+        acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         mins[r] = _mm256_setzero_ps();
     }
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * bytes;
+        PREFETCH(b, bytes);
         const __m128i smv = k4_scales_vec(b + 4);
         const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)),
                                         _mm256_set1_ps(pg_f16(b)));
@@ -364,12 +378,13 @@ VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, cons
             for (int r = 0; r < R; r++) {
                 const __m512i x = _mm512_loadu_si512(qx + r * K + 256 * sb + 64 * j);
                 const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, S[r]), acc[r]);
+                acc[r][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, S[r]),
+                                                acc[r][j & 1]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        y[r * ldy] = _mm512_reduce_add_ps(acc[r]) - pg_hsum(mins[r]);
+        y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - pg_hsum(mins[r]);
 }
 
 /* Q6_K: values u6 - 32, a scale per 16 values. A half super-block's 64 low-bit bytes are
@@ -380,10 +395,11 @@ VNNI512 static ALWAYS_INLINE void q6k_rows(const uint8_t *row, int64_t nsb, cons
                                            const int R, float *y, int64_t ldy) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3);
     const __m512i lane4 = lane_div(2), lane2 = lane_div(1);
-    __m512 acc[ROWS512], off[ROWS512];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    __m512 acc[ROWS512][2], off[ROWS512]; /* two chains per row, as in k45_rows */
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = off[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * 210;
+        PREFETCH(b, 210);
         const __m512 sc = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
             _mm512_set1_ps(pg_f16(b + 208)));
@@ -411,13 +427,14 @@ VNNI512 static ALWAYS_INLINE void q6k_rows(const uint8_t *row, int64_t nsb, cons
                 const int8_t *x = qx + r * K + 256 * sb + 128 * h;
                 const __m512i pa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wa, _mm512_loadu_si512(x));
                 const __m512i pb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wb, _mm512_loadu_si512(x + 64));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), _mm512_permutexvar_ps(ia, S[r]), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), _mm512_permutexvar_ps(ib, S[r]), acc[r]);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pa), _mm512_permutexvar_ps(ia, S[r]), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pb), _mm512_permutexvar_ps(ib, S[r]), acc[r][1]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        y[r * ldy] = _mm512_reduce_add_ps(acc[r]) - 32.0f * _mm512_reduce_add_ps(off[r]);
+        y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) -
+                     32.0f * _mm512_reduce_add_ps(off[r]);
 }
 
 /* Q4_0, Q4_1, Q8_0: blocks of 32 with a float16 scale first (and Q4_1's minimum next),
@@ -439,6 +456,7 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
     }
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int n = groups - g0 < 8 ? (int)(groups - g0) : 8;
+        PREFETCH(row + g0 * bytes, 8 * bytes);
         /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum; read one
          * by one into lanes (a gather is microcoded and slow on AMD's cores) */
         int32_t h[8];

@@ -23,6 +23,7 @@
 typedef struct {
     atomic_int arrived, generation, sleepers;
     int64_t spin_ns;
+    _Alignas(64) atomic_llong claimed; /* pg_claim's counter, on a line of its own */
 } pg_barrier;
 
 /* The spin decode_step.c gives its barrier (team.c; settable for experiments). */
@@ -60,6 +61,31 @@ static inline void pg_share_if(int parallel, int64_t n, const pg_team *team, int
 
 /* Every thread of the team waits here until all have arrived (a no-op for one thread). */
 void pg_team_sync(const pg_team *team);
+
+/* Shares claimed as the team goes, for work that a static split leaves uneven (a thread
+ * of a shared VM runs slower for a while). Two threads take chunks from the two ends of
+ * the work, thread 0 from the front and thread 1 from the back, each in one direction
+ * (a stream the hardware prefetcher follows), until they meet: every claim adds to one
+ * shared count, and a claim that would pass the other thread's chunks gets -1. One
+ * thread calls pg_claim_reset while the count is idle, the team meets, then each thread
+ * calls pg_claim until it returns -1 (`taken` its own count, from 0). Other team sizes
+ * take their static share (pg_share) in order. */
+static inline void pg_claim_reset(const pg_team *team) {
+    if (team->barrier != NULL && team->ith == 0)
+        atomic_store_explicit(&team->barrier->claimed, 0, memory_order_relaxed);
+}
+
+static inline int64_t pg_claim(const pg_team *team, int64_t n_chunks, int64_t *taken) {
+    if (team->nth != 2 || team->barrier == NULL) {
+        int64_t lo, hi;
+        pg_share(n_chunks, team, &lo, &hi);
+        return lo + *taken < hi ? lo + (*taken)++ : -1;
+    }
+    if (atomic_fetch_add_explicit(&team->barrier->claimed, 1, memory_order_relaxed) >= n_chunks)
+        return -1;
+    const int64_t k = (*taken)++;
+    return team->ith == 0 ? k : n_chunks - 1 - k;
+}
 
 /* Runs the statement given (which may use `team`) in a region of its own when `parallel`, else on the
  * calling thread alone. */
