@@ -142,9 +142,6 @@ static int takes_q8(const pg_linear *L, const pg_step *s) {
     return 0;
 }
 
-/* 0: every-int8 steps split each q8 product statically too (for A/B measurements). */
-int pg_q8_claim = 1;
-
 /* Rows of a q8 group per claimed chunk: ~64 KB of weights (a few microseconds), at least
  * 16 rows. */
 static int64_t chunk_rows(const pg_weight_group *w) {

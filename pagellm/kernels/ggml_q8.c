@@ -438,69 +438,86 @@ VNNI512 static ALWAYS_INLINE void q6k_rows(const uint8_t *row, int64_t nsb, cons
 }
 
 /* Q4_0, Q4_1, Q8_0: blocks of 32 with a float16 scale first (and Q4_1's minimum next),
- * taken 8 blocks at a time (the last chunk may be shorter), two blocks per vector. */
-VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, int64_t groups,
-                                           const int8_t *qx, const float *dx, const int32_t *sx,
-                                           int64_t K, const int R, float *y, int64_t ldy) {
+ * taken 8 blocks at a time, two blocks per vector: b32_chunk does blocks g0 .. g0+n-1
+ * (n <= 8), adding to acc (products) and off (offsets times the sums of x). Called with
+ * n = 8 for the whole chunks, it compiles to straight-line code without masks. */
+VNNI512 static ALWAYS_INLINE void b32_chunk(const int type, const uint8_t *row, int64_t g0,
+                                            const int n, const int8_t *qx, const float *dx,
+                                            const int32_t *sx, int64_t K, const int R,
+                                            __m512 *acc, __m256 *off) {
     const int64_t bytes = type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34;
     const int qs_off = type == Q_Q4_1 ? 4 : 2;
     /* the weights' offset, through the sums of x: Q4_0 stores w + 8, Q8_0 is shifted by 128 */
     const float offset = type == Q_Q4_0 ? -8.0f : type == Q_Q8_0 ? -128.0f : 0.0f;
     const __m512i low4 = _mm512_set1_epi8(0x0F), lane8 = lane_div(3);
     const __m512i halves = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    PREFETCH(row + g0 * bytes, 8 * bytes);
+    /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum; read one by
+     * one into lanes (a gather is microcoded and slow on AMD's cores) */
+    int32_t h[8];
+    for (int i = 0; i < 8; i++) {
+        h[i] = 0;
+        if (i < n) memcpy(&h[i], row + (g0 + i) * bytes, 4);
+    }
+    const __m256i head = _mm256_set_epi32(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]);
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
+    const __m256 m8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)));
+    __m512 S[ROWS512];
+    for (int r = 0; r < R; r++) {
+        const __m256 dxv = n == 8 ? _mm256_loadu_ps(dx + r * (K / 32) + g0)
+                                  : _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), dx + r * (K / 32) + g0);
+        const __m256 sc = _mm256_mul_ps(d8, dxv);
+        S[r] = _mm512_castps256_ps512(sc);
+        const __m256 coef = type == Q_Q4_1 ? _mm256_mul_ps(m8, dxv) : _mm256_mul_ps(sc, _mm256_set1_ps(offset));
+        off[r] = _mm256_fmadd_ps(coef, sums32(sx + r * (K / 16) + 2 * g0, n), off[r]);
+    }
+    for (int p = 0; p < n; p += 2) {
+        const uint8_t *b0 = row + (g0 + p) * bytes, *b1 = p + 1 < n ? b0 + bytes : b0;
+        __m512i w;
+        if (type == Q_Q8_0) {
+            w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                   _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
+            w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+        } else {
+            const __m256i q = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qs_off))),
+                _mm_loadu_si128((const __m128i *)(b1 + qs_off)), 1);
+            const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(q, _mm512_castsi512_si256(low4)));
+            const __m512i hi = _mm512_castsi256_si512(
+                _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(low4)));
+            w = _mm512_permutex2var_epi64(lo, halves, hi);
+        }
+        const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(p));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xp = qx + r * K + 32 * (g0 + p);
+            const __m512i x = p + 1 < n ? _mm512_loadu_si512(xp)
+                                        : _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFFFFu, xp);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[r]), acc[r]);
+        }
+    }
+}
+
+VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, int64_t groups,
+                                           const int8_t *qx, const float *dx, const int32_t *sx,
+                                           int64_t K, const int R, float *y, int64_t ldy) {
     __m512 acc[ROWS512];
     __m256 off[ROWS512];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
         off[r] = _mm256_setzero_ps();
     }
-    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-        const int n = groups - g0 < 8 ? (int)(groups - g0) : 8;
-        PREFETCH(row + g0 * bytes, 8 * bytes);
-        /* each block's first 4 bytes: its scale (float16), then Q4_1's minimum; read one
-         * by one into lanes (a gather is microcoded and slow on AMD's cores) */
-        int32_t h[8];
-        for (int i = 0; i < 8; i++) {
-            h[i] = 0;
-            if (i < n) memcpy(&h[i], row + (g0 + i) * bytes, 4);
-        }
-        const __m256i head = _mm256_set_epi32(h[7], h[6], h[5], h[4], h[3], h[2], h[1], h[0]);
-        const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(head));
-        const __m256 m8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(head, 16)));
-        __m512 S[ROWS512];
-        for (int r = 0; r < R; r++) {
-            const __m256 dxv = _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), dx + r * (K / 32) + g0);
-            const __m256 s = _mm256_mul_ps(d8, dxv);
-            S[r] = _mm512_castps256_ps512(s);
-            const __m256 coef = type == Q_Q4_1 ? _mm256_mul_ps(m8, dxv) : _mm256_mul_ps(s, _mm256_set1_ps(offset));
-            off[r] = _mm256_fmadd_ps(coef, sums32(sx + r * (K / 16) + 2 * g0, n), off[r]);
-        }
-        for (int p = 0; p < n; p += 2) {
-            const uint8_t *b0 = row + (g0 + p) * bytes, *b1 = p + 1 < n ? b0 + bytes : b0;
-            __m512i w;
-            if (type == Q_Q8_0) {
-                w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                       _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
-                w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-            } else {
-                const __m256i q = _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + qs_off))),
-                    _mm_loadu_si128((const __m128i *)(b1 + qs_off)), 1);
-                const __m512i lo = _mm512_castsi256_si512(_mm256_and_si256(q, _mm512_castsi512_si256(low4)));
-                const __m512i hi = _mm512_castsi256_si512(
-                    _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(low4)));
-                w = _mm512_permutex2var_epi64(lo, halves, hi);
-            }
-            const __mmask64 xm = p + 1 < n ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;
-            const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(p));
-            for (int r = 0; r < R; r++) {
-                const __m512i x = _mm512_maskz_loadu_epi8(xm, qx + r * K + 32 * (g0 + p));
-                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(idx, S[r]), acc[r]);
-            }
-        }
+    int64_t g0 = 0;
+    for (; g0 + 8 <= groups; g0 += 8) b32_chunk(type, row, g0, 8, qx, dx, sx, K, R, acc, off);
+    switch (groups - g0) { /* the last blocks: even counts (K a multiple of 64) unrolled */
+        case 0: break;
+        case 2: b32_chunk(type, row, g0, 2, qx, dx, sx, K, R, acc, off); break;
+        case 4: b32_chunk(type, row, g0, 4, qx, dx, sx, K, R, acc, off); break;
+        case 6: b32_chunk(type, row, g0, 6, qx, dx, sx, K, R, acc, off); break;
+        default: b32_chunk(type, row, g0, (int)(groups - g0), qx, dx, sx, K, R, acc, off);
     }
-    for (int r = 0; r < R; r++) y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + pg_hsum(off[r]);
+    for (int r = 0; r < R; r++) /* one reduction: the offsets join the products' lanes */
+        y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_zextps256_ps512(off[r])));
 }
 
 #define BY_ROWS(CALL_R)   \
@@ -594,9 +611,27 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4)) return -1;
-    PG_TEAM_RUN(N * K * M * levels >= Q8_PARALLEL_MIN,
-                pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y, ldy, NULL,
-                                &team));
+    /* rows in chunks of ~64 KB of weights, claimed by the team as it goes (team.h) */
+    const int64_t per = 65536 / row_bytes > 16 ? 65536 / row_bytes : 16;
+    const int64_t chunks = (N + per - 1) / per;
+    pg_barrier barrier = {0};
+    const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
+    if (!pg_q8_claim) {
+        PG_TEAM_RUN(parallel, pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y,
+                                              ldy, NULL, &team));
+        return 0;
+    }
+#pragma omp parallel if (parallel)
+    {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        const pg_team alone = {0, 1, NULL};
+        int64_t taken = 0;
+        for (int64_t c; (c = pg_claim(&team, chunks, &taken)) >= 0;) {
+            const int64_t n0 = c * per, rows = N - n0 < per ? N - n0 : per;
+            pg_gemm_q8_part(type, W + n0 * row_bytes, row_bytes, rows, K, QX, DX, SX, M,
+                            levels, Y + n0, ldy, NULL, &alone);
+        }
+    }
     return 0;
 }
 

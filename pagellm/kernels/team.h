@@ -29,6 +29,9 @@ typedef struct {
 /* The spin decode_step.c gives its barrier (team.c; settable for experiments). */
 extern int64_t pg_team_spin_ns;
 
+/* Whether int8 products claim their rows in chunks (team.c). */
+extern int pg_q8_claim;
+
 typedef struct {
     int ith, nth;
     pg_barrier *barrier; /* NULL in a region whose team never meets (a kernel's own) */
