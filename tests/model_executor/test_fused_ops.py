@@ -5,6 +5,7 @@ attention kernels off too) for a prefill, a mixed step and a decode step."""
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -390,6 +391,19 @@ def test_fused_decode_stack_splits_every_kernel(
     assert fused_calls == {"fused": True, "modules": False}
     for fused, modules in zip(logits["fused"], logits["modules"]):
         assert torch.equal(fused, modules)
+    if weights == "q4_k_m" and stack.q8:  # the int8 products claimed in chunks or split
+        claim = ctypes.c_int.in_dll(stack.lib, "pg_q8_claim")  # statically: the same sums
+        runner = PagedRunner(model, mc, block_size=16)
+        for i, seq in enumerate(names):
+            runner.add(seq, [(j * (31 + 2 * i) + 3 * i) % 500 + 1 for j in range(40 + 4 * i)])
+        runner.step([(seq, 38 + 4 * i) for i, seq in enumerate(names)])
+        try:
+            claim.value = 0
+            static = [runner.step([(seq, 1) for seq in names]) for _ in range(2)]
+        finally:
+            claim.value = 1
+        for a, b in zip(static, logits["fused"]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("spin_ns", [0, 100_000], ids=["sleeping", "spinning"])

@@ -390,6 +390,54 @@ def test_q8_kernels_compute_the_int8_scheme(qtype: str, q8_isa: Any) -> None:
         assert 1e-5 < err(ours, exact) <= err(llama, exact) * 1.001
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
+    """The 32-block kernels take whole chunks of 8 blocks, then the rest (unrolled for 2, 4
+    and 6 blocks, a general loop otherwise): every rest from 0 to 7 blocks, and rows
+    shorter than a chunk, equal (1e-5) the numpy model of the int8 scheme."""
+    lib = q8_isa
+    rng = np.random.default_rng(5)
+    t = int(gguf.GGMLQuantizationType[qtype])
+    for blocks in (1, 2, 3, 8, 9, 12, 14, 15, 16, 17, 18, 23):
+        k, n = 32 * blocks, 9
+        data = random_blocks(qtype, n, k, rng)
+        ref = _reference(data, qtype, n, k)
+        for m in (1, 2, 5):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(blocks * 10 + m)).numpy()
+            y = gguf_method.gguf_matmul([gguf_method.WeightGroup(t, data, 0, n)],
+                                        torch.from_numpy(x), n, slice(0, m)).numpy()
+            want = _round_activations(x, 32) @ ref.T
+            assert np.linalg.norm(y - want) <= 1e-5 * np.linalg.norm(want), (blocks, m)
+    assert lib.pg_q8_supported(t)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
+    """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
+    (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
+    product large enough to be split and of many chunks, with a short last chunk."""
+    lib = kernels.load_kernels()
+    if lib.pg_q8_isa() == 0:
+        pytest.skip("no int8-activation kernels in this build (x86 with AVX2, FMA, F16C needed)")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing is split")
+    rng = np.random.default_rng(3)
+    k, n = 1024, 4100
+    data = random_blocks(qtype, n, k, rng)
+    groups = [gguf_method.WeightGroup(int(gguf.GGMLQuantizationType[qtype]), data, 0, n)]
+    assert n * data.shape[1] > 8 * 65536  # several chunks
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    claim = ctypes.c_int.in_dll(lib, "pg_q8_claim")
+    assert claim.value == 1
+    try:
+        claimed = gguf_method.gguf_matmul(groups, x, n, slice(0, 3))
+        claim.value = 0
+        static = gguf_method.gguf_matmul(groups, x, n, slice(0, 3))
+    finally:
+        claim.value = 1
+    assert torch.equal(claimed, static)
+
+
 def test_q8_activations_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """gguf_activations: 'auto' (no PAGELLM_GGUF_ACTIVATIONS) is q8 exactly where the CPU has
     the int8 kernels; the variable and the engine argument choose a path; bad values are
