@@ -289,6 +289,7 @@ def test_no_compiler_falls_back_to_dequantized(q4_k_m_file: str, monkeypatch: py
     """Without a C compiler a GGUF file still runs (dequantized at load) and the log says
     so; asking for 'gguf' explicitly is refused with the reason."""
     monkeypatch.setattr(kernels, "find_compiler", lambda: None)
+    monkeypatch.delenv("PAGELLM_GGUF_ACTIVATIONS", raising=False)  # else a second warning
     kernels.load_kernels.cache_clear()
     try:
         with logs.at_level(logging.WARNING, logger="pagellm"):
