@@ -322,15 +322,19 @@ VNNI512 static ALWAYS_INLINE __m256 sums32(const int32_t *s16, int n) {
     return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
 }
 
-/* k4_scales in registers: bytes 0-7 the 8 scales, 8-15 the 8 minimums. */
-static ALWAYS_INLINE __m128i k4_scales_vec(const uint8_t *q) {
-    uint32_t u0, u1, u2;
-    memcpy(&u0, q, 4);
-    memcpy(&u1, q + 4, 4);
-    memcpy(&u2, q + 8, 4);
-    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, top = 0x30303030u;
-    return _mm_set_epi32((int)(((u2 >> 4) & four) | ((u1 >> 2) & top)), (int)(u1 & six),
-                         (int)((u2 & four) | ((u0 >> 2) & top)), (int)(u0 & six));
+/* k4_scales in vector registers (bytes 0-7 the 8 scales, 8-15 the 8 minimums), from 16
+ * bytes at q (the 12 of the scales first):
+ * scales 0-3 and minimums 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales 4-7 and
+ * minimums 4-7 the low and high nibbles of bytes 8-11, with bits 4-5 the top 2 bits of
+ * bytes 0-3 and 4-7. */
+VNNI512 static ALWAYS_INLINE __m128i k4_scales_simd(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4),
+                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    return _mm_or_si128(_mm_or_si128(low, high), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
 /* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block, groups 2j and 2j+1 the low
@@ -350,18 +354,19 @@ VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, cons
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = row + sb * bytes;
         PREFETCH(b, bytes);
-        const __m128i smv = k4_scales_vec(b + 4);
-        const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)),
-                                        _mm256_set1_ps(pg_f16(b)));
-        const __m256 mn = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))),
-            _mm256_set1_ps(pg_f16(b + 2)));
+        /* lanes 0-7: the 8 scales times d, 8-15: the 8 minimums times dmin */
+        uint32_t dd;
+        memcpy(&dd, b, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)); /* d, dmin */
+        const __m512 sm = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_simd(b + 4))),
+            _mm512_insertf32x8(_mm512_broadcastss_ps(dm),
+                               _mm256_broadcastss_ps(_mm_movehdup_ps(dm)), 1));
         __m512 S[ROWS512];
-        for (int r = 0; r < R; r++) {
-            const __m256 d8 = _mm256_loadu_ps(dx + r * (K / 32) + 8 * sb);
-            S[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, d8));
-            mins[r] = _mm256_fmadd_ps(_mm256_mul_ps(mn, d8), sums32(sx + r * (K / 16) + 16 * sb, 8),
-                                      mins[r]);
+        for (int r = 0; r < R; r++) { /* times x's 8 scales: lanes 0-7 S, 8-15 the minimums' */
+            S[r] = _mm512_mul_ps(sm, _mm512_broadcast_f32x8(_mm256_loadu_ps(dx + r * (K / 32) + 8 * sb)));
+            mins[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(S[r], 1),
+                                      sums32(sx + r * (K / 16) + 16 * sb, 8), mins[r]);
         }
         const __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
