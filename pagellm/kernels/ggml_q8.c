@@ -287,6 +287,20 @@ static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8
 }
 #endif
 
+#ifdef PG_AVX2
+/* The levels of one input row summed: Y[row m, column n] for the R quantized rows from
+ * m0 whose products are in out. */
+static inline void store_sums(const float *out, int R, int64_t m0, int64_t levels, float *Y,
+                              int64_t ldy, const int64_t *yrows, int64_t n) {
+    for (int r = 0; r < R; r += (int)levels) {
+        const int64_t m = (m0 + r) / levels;
+        float sum = out[r];
+        for (int l = 1; l < levels; l++) sum += out[r + l];
+        Y[(yrows != NULL ? yrows[m] : m) * ldy + n] = sum;
+    }
+}
+#endif
+
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
 /* AVX-512 with VNNI (vpdpbusd on 64 bytes), chosen at run time like ggml_gemm.c's tiles.
  * A weight row is unpacked into registers once and multiplied by up to ROWS512 input
@@ -533,34 +547,50 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
         default: CALL_R(4); break; \
     }
 
-/* y[r * ldy] for the R (<= ROWS512) input rows at qx; 0 where the type has no AVX-512
- * kernel here (the AVX2 one runs). */
-VNNI512 static int rows512(int type, const uint8_t *row, int64_t K, const int8_t *qx,
-                           const float *dx, const int32_t *sx, int R, float *y, int64_t ldy) {
+/* pg_gemm_q8_part's weight rows [n0, n1) on the AVX-512 kernels, the type chosen once for
+ * all of them; 0 where the type has none here (the AVX2 ones run). */
+#define OVER_ROWS(CALL_R)                                                                  \
+    for (int64_t n = n0; n < n1; n++) {                                                    \
+        const uint8_t *row = W + n * row_bytes;                                            \
+        for (int64_t m0 = 0; m0 < P; m0 += ROWS512) {                                      \
+            const int R = P - m0 < ROWS512 ? (int)(P - m0) : ROWS512;                      \
+            const int8_t *qx = QX + m0 * K;                                                \
+            const float *dx = DX + m0 * (K / 32);                                          \
+            const int32_t *sx = SX + m0 * (K / 16);                                        \
+            float out[ROWS512];                                                            \
+            BY_ROWS(CALL_R)                                                                \
+            store_sums(out, R, m0, levels, Y, ldy, yrows, n);                              \
+        }                                                                                  \
+    }
+
+VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64_t n0,
+                            int64_t n1, int64_t K, const int8_t *QX, const float *DX,
+                            const int32_t *SX, int64_t P, int64_t levels, float *Y, int64_t ldy,
+                            const int64_t *yrows) {
     switch (type) {
         case Q_Q4_K:
-#define K4(r) k45_rows(row, K / 256, qx, dx, sx, K, 0, r, y, ldy)
-            BY_ROWS(K4)
+#define K4(r) k45_rows(row, K / 256, qx, dx, sx, K, 0, r, out, 1)
+            OVER_ROWS(K4)
             return 1;
         case Q_Q5_K:
-#define K5(r) k45_rows(row, K / 256, qx, dx, sx, K, 1, r, y, ldy)
-            BY_ROWS(K5)
+#define K5(r) k45_rows(row, K / 256, qx, dx, sx, K, 1, r, out, 1)
+            OVER_ROWS(K5)
             return 1;
         case Q_Q6_K:
-#define K6(r) q6k_rows(row, K / 256, qx, dx, sx, K, r, y, ldy)
-            BY_ROWS(K6)
+#define K6(r) q6k_rows(row, K / 256, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(K6)
             return 1;
         case Q_Q4_0:
-#define B40(r) b32_rows(Q_Q4_0, row, K / 32, qx, dx, sx, K, r, y, ldy)
-            BY_ROWS(B40)
+#define B40(r) b32_rows(Q_Q4_0, row, K / 32, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(B40)
             return 1;
         case Q_Q4_1:
-#define B41(r) b32_rows(Q_Q4_1, row, K / 32, qx, dx, sx, K, r, y, ldy)
-            BY_ROWS(B41)
+#define B41(r) b32_rows(Q_Q4_1, row, K / 32, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(B41)
             return 1;
         case Q_Q8_0:
-#define B80(r) b32_rows(Q_Q8_0, row, K / 32, qx, dx, sx, K, r, y, ldy)
-            BY_ROWS(B80)
+#define B80(r) b32_rows(Q_Q8_0, row, K / 32, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(B80)
             return 1;
         default:
             return 0;
@@ -584,25 +614,19 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     const int wide = 0;
 #endif
     const int64_t P = M * levels; /* quantized rows */
+#ifdef PG_X86_DISPATCH
+    if (wide && range512(type, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows))
+        return;
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * row_bytes;
         for (int64_t m0 = 0; m0 < P; m0 += 4) {
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
-            int done = 0;
-#ifdef PG_X86_DISPATCH
-            done = wide && rows512(type, row, K, QX + m0 * K, DX + m0 * (K / 32),
-                                   SX + m0 * (K / 16), R, out, 1);
-#endif
-            for (int r = 0; r < R && !done; r++)
+            for (int r = 0; r < R; r++)
                 out[r] = dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
                                     DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
-            for (int r = 0; r < R; r += (int)levels) {
-                const int64_t m = (m0 + r) / levels;
-                float sum = out[r];
-                for (int l = 1; l < levels; l++) sum += out[r + l];
-                Y[(yrows != NULL ? yrows[m] : m) * ldy + n] = sum;
-            }
+            store_sums(out, R, m0, levels, Y, ldy, yrows, n);
         }
     }
 #else
