@@ -117,15 +117,27 @@ static inline __m256i udot(__m256i w, __m256i x) {
 #endif
 }
 
+/* The 6-bit scales and minimums of a Q4_K / Q5_K super-block in a vector (bytes 0-7 the 8
+ * scales, 8-15 the 8 minimums), from 16 bytes at q (the 12 of the scales first):
+ * scales 0-3 and minimums 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales 4-7 and
+ * minimums 4-7 the low and high nibbles of bytes 8-11, with bits 4-5 the top 2 bits of
+ * bytes 0-3 and 4-7. */
+static inline __attribute__((always_inline)) __m128i k4_scales_simd(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4),
+                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+    return _mm_or_si128(_mm_or_si128(low, high), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+}
 
-/* The 6-bit scales and mins of a Q4_K / Q5_K super-block's 8 sub-blocks. */
-static inline void k4_scales(const uint8_t *q, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        mn[j] = q[j + 4] & 63;
-        sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
-        mn[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-    }
+/* The sums of x over each of 8 groups of 32, from its sums per 16 (16 int32 at s16). */
+static inline __attribute__((always_inline)) __m256 sums32_avx2(const int32_t *s16) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)s16);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(s16 + 8));
+    /* hadd: [g0 g1 g4 g5 | g2 g3 g6 g7] in 64-bit pairs, then the pairs in order */
+    return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
 }
 
 /* Per-type dot products of one weight row with one quantized input row. Two vector
@@ -190,19 +202,25 @@ BLOCK32_DOT(dot_q8_0, 34, {
 })
 
 /* Q4_K (high5 = 0) and Q5_K (high5 = 1): super-blocks of 8 groups of 32; groups 2j and
- * 2j+1 are the low and high nibbles of the same 32 bytes, loaded once. */
+ * 2j+1 are the low and high nibbles of the same 32 bytes, loaded once. The 8 groups'
+ * scales (times d and x's scales) and minimums are vectors per super-block; a group's
+ * scale is spread over its lanes by a permute. */
 static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx,
                             const float *dx, const int32_t *sx, int high5) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), mins = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    float extra = 0.0f;
     int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * bytes;
         PREFETCH(b, bytes);
-        uint8_t sc[8], mn[8];
-        k4_scales(b + 4, sc, mn);
-        float d = pg_f16(b), dmin = pg_f16(b + 2);
+        const __m128i smv = k4_scales_simd(b + 4);
+        const __m256 d8 = _mm256_loadu_ps(dx + 8 * sb);
+        const __m256 S = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)),
+                                                     _mm256_set1_ps(pg_f16(b))), d8);
+        const __m256 mn = _mm256_mul_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))),
+                          _mm256_set1_ps(pg_f16(b + 2))), d8);
+        mins = _mm256_fmadd_ps(mn, sums32_avx2(sx + 16 * sb), mins);
         __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
         const int64_t g0 = sb * 8;
         for (int j = 0; j < 4; j++) {
@@ -219,14 +237,12 @@ static inline float dot_k45(const uint8_t *row, int64_t groups, const int8_t *qx
             __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + 32 * g));
             __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + 32 * g + 32));
             acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w0, x0)),
-                                   _mm256_set1_ps(d * sc[2 * j] * dx[g]), acc0);
+                                   _mm256_permutevar8x32_ps(S, _mm256_set1_epi32(2 * j)), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w1, x1)),
-                                   _mm256_set1_ps(d * sc[2 * j + 1] * dx[g + 1]), acc1);
-            extra -= dmin * (mn[2 * j] * dx[g] * (sx[2 * g] + sx[2 * g + 1]) +
-                             mn[2 * j + 1] * dx[g + 1] * (sx[2 * g + 2] + sx[2 * g + 3]));
+                                   _mm256_permutevar8x32_ps(S, _mm256_set1_epi32(2 * j + 1)), acc1);
         }
     }
-    return pg_hsum(_mm256_add_ps(acc0, acc1)) + extra;
+    return pg_hsum(_mm256_add_ps(acc0, acc1)) - pg_hsum(mins);
 }
 
 /* Q6_K: two scales per group (16 values each), values u6 - 32. Each half super-block
@@ -334,21 +350,6 @@ VNNI512 static ALWAYS_INLINE __m256 sums32(const int32_t *s16, int n) {
     __m256i b = _mm256_maskz_loadu_epi32((__mmask8)(m >> 8), s16 + 8);
     /* hadd: [g0 g1 g4 g5 | g2 g3 g6 g7] in 64-bit pairs, then the pairs in order */
     return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
-}
-
-/* k4_scales in vector registers (bytes 0-7 the 8 scales, 8-15 the 8 minimums), from 16
- * bytes at q (the 12 of the scales first):
- * scales 0-3 and minimums 0-3 are the low 6 bits of bytes 0-3 and 4-7; scales 4-7 and
- * minimums 4-7 the low and high nibbles of bytes 8-11, with bits 4-5 the top 2 bits of
- * bytes 0-3 and 4-7. */
-VNNI512 static ALWAYS_INLINE __m128i k4_scales_simd(const uint8_t *q) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i low = _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4),
-                                       _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
-    return _mm_or_si128(_mm_or_si128(low, high), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
 /* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block, groups 2j and 2j+1 the low
