@@ -255,8 +255,12 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
     for (int64_t sb = 0; sb < groups / 8; sb++) {
         const uint8_t *b = row + sb * 210;
         PREFETCH(b, 210);
-        float d = pg_f16(b + 208);
-        const int8_t *scales = (const int8_t *)(b + 192);
+        /* the 16 scales times d, 8 per half super-block */
+        const __m128i sc16 = _mm_loadu_si128((const __m128i *)(b + 192));
+        const __m256 dv = _mm256_set1_ps(pg_f16(b + 208));
+        const __m256 half_sc[2] = {
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)), dv),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))), dv)};
         for (int h = 0; h < 2; h++) {
             __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
             __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
@@ -274,9 +278,11 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
                 __m256i ws = _mm256_sub_epi8(_mm256_or_si256(lo[t], _mm256_slli_epi16(hi[t], 4)), off);
                 __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + 32 * g)), ws);
                 __m256i w = _mm256_sign_epi8(ws, ws);
-                const int8_t *sc = scales + 8 * h + 2 * t;
-                float dg = d * dx[g];
-                __m256 scale = _mm256_set_m128(_mm_set1_ps(dg * sc[1]), _mm_set1_ps(dg * sc[0]));
+                /* lanes 0-3 the group's first scale, 4-7 its second, times x's scale */
+                const __m256i pick = _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                                       2 * t + 1, 2 * t + 1, 2 * t + 1);
+                __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(half_sc[h], pick),
+                                             _mm256_set1_ps(dx[g]));
                 if (t & 1)
                     acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(udot(w, x)), scale, acc1);
                 else
