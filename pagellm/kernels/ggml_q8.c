@@ -293,6 +293,42 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
     return pg_hsum(_mm256_add_ps(acc0, acc1));
 }
 
+/* Q8_0 in chunks of 8 blocks: the chunk's 8 scales read into one vector, times x's 8
+ * scales, and spread over a block's lanes by a permute; the weights shifted by 128 to
+ * unsigned values, the shift taken back through the sums of x. The blocks after the last
+ * whole chunk take dot_q8_0. (The same shape for Q4_0 / Q4_1 measured slower than their
+ * per-block kernels here: 7-8 against 9-10 GB/s on one core.) */
+static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, const float *dx,
+                        const int32_t *sx) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    int64_t g0 = 0;
+    for (; g0 + 8 <= groups; g0 += 8) {
+        const uint8_t *c = row + g0 * 34;
+        PREFETCH(c, 8 * 34);
+        int32_t h[8];
+        for (int i = 0; i < 8; i++) memcpy(&h[i], c + i * 34, 4);
+        const __m256i d16 = _mm256_and_si256(
+            _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]), _mm256_set1_epi32(0xFFFF));
+        const __m256 S = _mm256_mul_ps(
+            _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(d16), _mm256_extracti128_si256(d16, 1))),
+            _mm256_loadu_ps(dx + g0));
+        off = _mm256_fmadd_ps(_mm256_mul_ps(S, _mm256_set1_ps(-128.0f)), sums32_avx2(sx + 2 * g0), off);
+        for (int p = 0; p < 8; p++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + p * 34 + 2)),
+                                               _mm256_set1_epi8((char)0x80));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * (g0 + p)));
+            const __m256 dot = _mm256_cvtepi32_ps(udot(w, x));
+            const __m256 scale = _mm256_permutevar8x32_ps(S, _mm256_set1_epi32(p));
+            if (p & 1) acc1 = _mm256_fmadd_ps(dot, scale, acc1);
+            else acc0 = _mm256_fmadd_ps(dot, scale, acc0);
+        }
+    }
+    float y = pg_hsum(_mm256_add_ps(acc0, acc1)) + pg_hsum(off);
+    if (g0 < groups)
+        y += dot_q8_0(row + g0 * 34, groups - g0, qx + 32 * g0, dx + g0, sx + 2 * g0);
+    return y;
+}
+
 static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8_t *qx,
                         const float *dx, const int32_t *sx) {
     switch (type) {
@@ -300,7 +336,7 @@ static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8
         case Q_Q4_1: return dot_q4_1(row, groups, qx, dx, sx);
         case Q_Q5_0: return dot_q5_0(row, groups, qx, dx, sx);
         case Q_Q5_1: return dot_q5_1(row, groups, qx, dx, sx);
-        case Q_Q8_0: return dot_q8_0(row, groups, qx, dx, sx);
+        case Q_Q8_0: return dot_q8_0x8(row, groups, qx, dx, sx);
         case Q_Q4_K: return dot_k45(row, groups, qx, dx, sx, 0);
         case Q_Q5_K: return dot_k45(row, groups, qx, dx, sx, 1);
         case Q_Q6_K: return dot_q6_k(row, groups, qx, dx, sx);
