@@ -38,6 +38,10 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
                      const pg_team *team);
+int64_t pg_q8_chunks(int64_t N, int64_t row_bytes);
+void pg_gemm_q8_chunk(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
+                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows, int64_t c);
 int pg_f32_blocked_supported(int64_t nb, int64_t kp, int64_t K);
 int64_t pg_gemm_scratch(int64_t K);
 void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
@@ -142,39 +146,25 @@ static int takes_q8(const pg_linear *L, const pg_step *s) {
     return 0;
 }
 
-/* Rows of a q8 group per claimed chunk: ~64 KB of weights (a few microseconds), at least
- * 16 rows. */
-static int64_t chunk_rows(const pg_weight_group *w) {
-    const int64_t rows = 65536 / w->row_bytes;
-    return rows < 16 ? 16 : rows;
-}
-
 /* The q8 groups of L for every row of a step (all int8), in chunks of rows the team claims
- * as it goes: a decode step is a few hundred of these products, and a static split waits
- * at each for the thread that a shared VM slowed. Each output is the same dot product
- * whoever computes it. */
+ * as it goes (one count over all the groups' chunks, ggml_q8.c's pg_q8_chunks): a decode
+ * step is a few hundred of these products, and a static split waits at each for the
+ * thread that a shared VM slowed. Each output is the same dot product whoever computes it. */
 static void q8_claimed(const pg_linear *L, const pg_step *s, const scratch *sc, float *y,
                        const pg_team *team) {
-    const pg_team alone = {0, 1, NULL};
     int64_t total = 0, taken = 0;
     for (int64_t g = 0; g < L->n_groups; g++)
-        if (q8_group(&L->groups[g]))
-            total += (L->groups[g].rows + chunk_rows(&L->groups[g]) - 1) / chunk_rows(&L->groups[g]);
+        if (q8_group(&L->groups[g])) total += pg_q8_chunks(L->groups[g].rows, L->groups[g].row_bytes);
     for (int64_t c; (c = pg_claim(team, total, &taken)) >= 0;) {
-        for (int64_t g = 0; g < L->n_groups; g++) { /* the group and rows of chunk c */
-            const pg_weight_group *w = &L->groups[g];
-            if (!q8_group(w)) continue;
-            const int64_t per = chunk_rows(w), n = (w->rows + per - 1) / per;
-            if (c >= n) {
-                c -= n;
-                continue;
-            }
-            const int64_t r0 = c * per, rows = w->rows - r0 < per ? w->rows - r0 : per;
-            pg_gemm_q8_part((int)w->type, w->data + r0 * w->row_bytes, w->row_bytes, rows,
-                            L->n_in, sc->qx, sc->dx, sc->sx, s->n_q8, s->int8_levels,
-                            y + w->row_start + r0, L->n_out, s->q8_rows, &alone);
-            break;
+        const pg_weight_group *w = L->groups;
+        for (;; w++) { /* the group of chunk c, and c within it */
+            const int64_t n = q8_group(w) ? pg_q8_chunks(w->rows, w->row_bytes) : 0;
+            if (c < n) break;
+            c -= n;
         }
+        pg_gemm_q8_chunk((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->qx, sc->dx,
+                         sc->sx, s->n_q8, s->int8_levels, y + w->row_start, L->n_out,
+                         s->q8_rows, c);
     }
 }
 

@@ -132,12 +132,16 @@ static inline __attribute__((always_inline)) __m128i k4_scales_simd(const uint8_
     return _mm_or_si128(_mm_or_si128(low, high), _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
 }
 
-/* The sums of x over each of 8 groups of 32, from its sums per 16 (16 int32 at s16). */
-static inline __attribute__((always_inline)) __m256 sums32_avx2(const int32_t *s16) {
-    const __m256i a = _mm256_loadu_si256((const __m256i *)s16);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)(s16 + 8));
+/* The sums of x over each of 8 groups of 32, from its sums per 16 (a: groups 0-3's,
+ * b: 4-7's). */
+static inline __attribute__((always_inline)) __m256 pairs_to_sums32(__m256i a, __m256i b) {
     /* hadd: [g0 g1 g4 g5 | g2 g3 g6 g7] in 64-bit pairs, then the pairs in order */
     return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
+}
+
+static inline __attribute__((always_inline)) __m256 sums32_avx2(const int32_t *s16) {
+    return pairs_to_sums32(_mm256_loadu_si256((const __m256i *)s16),
+                           _mm256_loadu_si256((const __m256i *)(s16 + 8)));
 }
 
 /* Per-type dot products of one weight row with one quantized input row. Two vector
@@ -385,13 +389,12 @@ VNNI512 static ALWAYS_INLINE __m512i lane_div(int shift) { /* lane l -> l >> shi
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), shift);
 }
 
-/* The sums of x over 32 values for `n` (<= 8) groups, from the sums per 16 values. */
+/* sums32_avx2 for `n` (<= 8) groups: the loads masked to them. */
 VNNI512 static ALWAYS_INLINE __m256 sums32(const int32_t *s16, int n) {
+    if (n == 8) return sums32_avx2(s16);
     const __mmask16 m = (__mmask16)((1u << (2 * n)) - 1);
-    __m256i a = _mm256_maskz_loadu_epi32((__mmask8)m, s16);
-    __m256i b = _mm256_maskz_loadu_epi32((__mmask8)(m >> 8), s16 + 8);
-    /* hadd: [g0 g1 g4 g5 | g2 g3 g6 g7] in 64-bit pairs, then the pairs in order */
-    return _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8));
+    return pairs_to_sums32(_mm256_maskz_loadu_epi32((__mmask8)m, s16),
+                           _mm256_maskz_loadu_epi32((__mmask8)(m >> 8), s16 + 8));
 }
 
 /* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block, groups 2j and 2j+1 the low
@@ -678,31 +681,48 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
 #endif
 }
 
-/* Y[m, n] (rows ldy apart) for the quantized input rows from pg_quantize_q8. */
+/* Rows of one weight group per chunk a team claims (team.h pg_claim): ~64 KB of weights
+ * (a few microseconds of work), at least 16 rows; and how many chunks the group has. */
+static int64_t q8_chunk_rows(int64_t row_bytes) {
+    return 65536 / row_bytes > 16 ? 65536 / row_bytes : 16;
+}
+
+int64_t pg_q8_chunks(int64_t N, int64_t row_bytes) {
+    const int64_t per = q8_chunk_rows(row_bytes);
+    return (N + per - 1) / per;
+}
+
+/* Chunk c of pg_q8_chunks(N, row_bytes) of the product pg_gemm_q8_part computes, on the
+ * calling thread alone. */
+void pg_gemm_q8_chunk(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
+                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows, int64_t c) {
+    const pg_team alone = {0, 1, NULL};
+    const int64_t per = q8_chunk_rows(row_bytes), n0 = c * per;
+    pg_gemm_q8_part(type, W + n0 * row_bytes, row_bytes, N - n0 < per ? N - n0 : per, K, QX,
+                    DX, SX, M, levels, Y + n0, ldy, yrows, &alone);
+}
+
+/* Y[m, n] (rows ldy apart) for the quantized input rows from pg_quantize_q8, in chunks of
+ * rows the team claims as it goes (pg_q8_claim 0: static shares). */
 int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4)) return -1;
-    /* rows in chunks of ~64 KB of weights, claimed by the team as it goes (team.h) */
-    const int64_t per = 65536 / row_bytes > 16 ? 65536 / row_bytes : 16;
-    const int64_t chunks = (N + per - 1) / per;
-    pg_barrier barrier = {0};
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {
         PG_TEAM_RUN(parallel, pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y,
                                               ldy, NULL, &team));
         return 0;
     }
+    const int64_t chunks = pg_q8_chunks(N, row_bytes);
+    pg_barrier barrier = {0}; /* for its claim count only: this team never meets */
 #pragma omp parallel if (parallel)
     {
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
-        const pg_team alone = {0, 1, NULL};
         int64_t taken = 0;
-        for (int64_t c; (c = pg_claim(&team, chunks, &taken)) >= 0;) {
-            const int64_t n0 = c * per, rows = N - n0 < per ? N - n0 : per;
-            pg_gemm_q8_part(type, W + n0 * row_bytes, row_bytes, rows, K, QX, DX, SX, M,
-                            levels, Y + n0, ldy, NULL, &alone);
-        }
+        for (int64_t c; (c = pg_claim(&team, chunks, &taken)) >= 0;)
+            pg_gemm_q8_chunk(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y, ldy, NULL, c);
     }
     return 0;
 }
