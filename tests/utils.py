@@ -15,7 +15,12 @@ from typing import Any
 import torch
 
 from pagellm.attention import get_attn_backend
-from pagellm.attention.backend import CommonAttentionMetadata, set_forward_context
+from pagellm.attention.backend import (
+    AttentionGroups,
+    CommonAttentionMetadata,
+    model_layer_windows,
+    set_forward_context,
+)
 from pagellm.config import ModelConfig
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -159,9 +164,9 @@ class PagedRunner:
         self.kv_caches = [layer_cache() for _ in range(model_config.num_layers)]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
-        self.builder = attn_backend.get_builder_cls()(
-            block_size, self.device, sliding_window=getattr(model, "sliding_window", None)
-        )
+        self.groups = AttentionGroups(attn_backend, block_size, self.device,
+                                      model_layer_windows(model))
+        self.builder = self.groups.primary
         self.seqs: dict[str, _Seq] = {}
 
     def add(self, seq_id: str, token_ids: list[int]) -> None:
@@ -198,9 +203,10 @@ class PagedRunner:
             seq.num_computed = end
         common = self._common(chunks, ids, qsl, seq_lens, slots)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        metadata, by_window = self.groups.build(common)
         with (
             torch.inference_mode(),
-            set_forward_context(self.builder.build(common), self.kv_caches),
+            set_forward_context(metadata, self.kv_caches, None, by_window),
         ):
             hidden = self.model(t(ids), t(positions))
             return self.model.compute_logits(hidden[t(qsl[1:]) - 1])

@@ -88,8 +88,11 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
-    """One attention layer's forward. Made as
-    `cls(num_heads, head_dim, scale, num_kv_heads)` by the layer."""
+    """One attention layer's forward. Made by the layer as `cls(num_heads, head_dim,
+    scale, num_kv_heads, sliding_window=None, logits_soft_cap=None)`: the layer's own
+    facts (Gemma's layers differ in window; Gemma 2 caps scores as
+    `cap * tanh(score / cap)`). The window also shaped the metadata the layer is handed
+    (`ForwardContext.metadata_for`)."""
 
     @abstractmethod
     def forward(
@@ -109,10 +112,20 @@ class ForwardContext:
     """What attention layers read during one forward: per-step metadata and the caches."""
 
     attn_metadata: Any
+    """The metadata of the first layer's window (every layer's, where all share one)."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # indexed by layer
     generated_rows: slice | torch.Tensor | None = None
     """Rows whose input is a generated token (one-token decodes past the prompt), as the
     model runner knows them; None: not given (then `decode_rows` reads the metadata)."""
+
+    metadata_by_window: dict[int | None, Any] | None = None
+    """Where layers differ in sliding window: each window's metadata (None: one for all)."""
+
+    def metadata_for(self, window: int | None) -> Any:
+        """The metadata built for layers of sliding window `window` (None: full context)."""
+        if self.metadata_by_window is None:
+            return self.attn_metadata
+        return self.metadata_by_window[window]
 
     @property
     def decode_rows(self) -> slice | torch.Tensor | None:
@@ -127,12 +140,42 @@ class ForwardContext:
 _forward_context: ForwardContext | None = None
 
 
+class AttentionGroups:
+    """One metadata builder per distinct sliding window among a model's layers (vLLM's
+    KV cache groups, with one cache layout for all): `build` makes each window's
+    metadata once per step. `windows` lists every layer's window (None: full context)."""
+
+    def __init__(self, backend: type[AttentionBackend], block_size: int, device: torch.device,
+                 windows: list[int | None]) -> None:
+        self.windows = windows
+        distinct = list(dict.fromkeys(windows))
+        self.builders = {w: backend.get_builder_cls()(block_size, device, sliding_window=w)
+                         for w in distinct}
+        self.primary = self.builders[distinct[0]]
+        """The first layer's builder (`ForwardContext.attn_metadata`)."""
+
+    def build(self, common: CommonAttentionMetadata) -> tuple[Any, dict[int | None, Any] | None]:
+        """(the first layer's metadata, every window's where there are several)."""
+        if len(self.builders) == 1:
+            return self.primary.build(common), None
+        by_window = {w: b.build(common) for w, b in self.builders.items()}
+        return by_window[self.windows[0]], by_window
+
+
+def model_layer_windows(model: Any) -> list[int | None]:
+    """Each layer's sliding window as the model declares it (`layer_attention`; a model
+    without it attends over the whole context)."""
+    facts = getattr(model, "layer_attention", None)
+    return [f.sliding_window for f in facts] if facts else [None]
+
+
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: Any, kv_caches: list,
-                        generated_rows: slice | torch.Tensor | None = None) -> Iterator[None]:
+                        generated_rows: slice | torch.Tensor | None = None,
+                        metadata_by_window: dict[int | None, Any] | None = None) -> Iterator[None]:
     global _forward_context
     prev = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches, generated_rows)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, generated_rows, metadata_by_window)
     try:
         yield
     finally:

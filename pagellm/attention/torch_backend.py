@@ -260,11 +260,18 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        """Informational: the window is applied through the metadata the layer hands in."""
+        self.logits_soft_cap = logits_soft_cap
+        """Scores become cap * tanh(score / cap) before the mask and softmax (Gemma 2);
+        None: plain scores. The C decode kernel and SDPA take no cap, so a capped layer
+        attends with the torch ops (`_decode`, `_prefill_math`)."""
         self.group = num_heads // num_kv_heads  # query heads per KV head (GQA)
         self.kernels = c_kernels()
         """pagellm's C kernels for float32 CPU caches (decode and the cache write), or
@@ -289,7 +296,8 @@ class TorchAttentionImpl(AttentionImpl):
                             metadata.slot_mapping.data_ptr())
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
-        c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
+        c_decode = (lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
+                    and self.logits_soft_cap is None)
         dec = metadata.decode
         if metadata.decode_only and dec and n == query.shape[0]:
             if c_decode:
@@ -368,6 +376,8 @@ class TorchAttentionImpl(AttentionImpl):
             scores = packed.new_full((b * h * padded_len // bs, bs), float("-inf"))
             scores.index_copy_(0, look.padded_pos, packed)
             scores = scores.view(b, h, padded_len)
+        if self.logits_soft_cap is not None:
+            scores = _soft_cap(scores, self.logits_soft_cap)
         probs = torch.softmax(scores.add_(look.bias), dim=-1)
         if look.padded_pos is not None:
             probs = probs.view(-1, bs).index_select(0, look.padded_pos)
@@ -433,6 +443,8 @@ class TorchAttentionImpl(AttentionImpl):
             v = v_store.index_select(1, chunk.block_ids)
             k = k.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
             v = v.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
+        if self.logits_soft_cap is not None:
+            return _prefill_math(q, k, v, chunk, self.scale, self.logits_soft_cap, self.group)
         gqa = {}
         if self.group > 1 and _SDPA_GQA:  # query head h reads KV head h // group in place
             gqa = {"enable_gqa": True}
@@ -446,6 +458,27 @@ class TorchAttentionImpl(AttentionImpl):
             scale=self.scale, **gqa,
         )
         return o[0].transpose(0, 1)  # [q_len, H, D]
+
+
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(scores / cap), Hugging Face's order of operations (in place)."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def _prefill_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk,
+                  scale: float, cap: float, group: int) -> torch.Tensor:
+    """A prompt chunk's attention with capped scores, as Hugging Face's eager attention
+    computes it: q [H, q_len, D], k/v [KVH, L, D] -> [q_len, H, D]."""
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = _soft_cap(torch.matmul(q, k.transpose(1, 2)) * scale, cap)  # [H, q_len, L]
+    q_len, n_keys = q.shape[1], k.shape[1]
+    mask = chunk.mask
+    if mask is None:
+        mask = torch.ones(q_len, n_keys, dtype=torch.bool).tril_(n_keys - q_len)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)
 
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)

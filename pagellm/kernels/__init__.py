@@ -12,8 +12,8 @@ the system's C compiler at first use and cached under
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
 - `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
-  rotary embedding of q and k in place, SiLU-and-mul (layers/layernorm.py,
-  rotary_embedding.py, activation.py)
+  per-head q/k RMSNorm, rotary embedding of q and k in place, SiLU- and GELU-and-mul
+  (layers/layernorm.py, rotary_embedding.py, activation.py, models/llama.py)
 - `sampling.c`: the next token of each logits row: greedy argmax, random draws with
   top-k / top-p, the repetition / frequency / presence penalties, and logprobs
   (sample/ops.py)
@@ -163,6 +163,10 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_rope.restype = None
     lib.pg_silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.pg_silu_and_mul.restype = None
+    lib.pg_gelu_tanh_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.pg_gelu_tanh_and_mul.restype = None
+    lib.pg_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32]
+    lib.pg_head_rms_norm.restype = None
     lib.pg_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.pg_argmax_rows.restype = None
     lib.pg_sample_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]

@@ -1,19 +1,23 @@
-/* A Llama-family decoder stack for a batch of single-token decodes in one call: for each
- * layer the same kernels, in the same order, as the module path runs them one Python call
- * at a time (layers/fused_decode.py builds the descriptions and says when it applies):
+/* A decoder stack (Llama's layer, with Qwen3's and Gemma's extras) for a batch of
+ * single-token decodes in one call: for each layer the same kernels, in the same order,
+ * as the module path runs them one Python call at a time (layers/fused_decode.py builds
+ * the descriptions and says when it applies):
  *
  *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
  *   qkv = normed @ Wqkv.T (+ b)            per group: pg_gemm (up to direct_rows rows) or
  *                                          pg_gemm_batched, or pg_gemm_f32_blocked; the
  *                                          step's n_q8 decode rows through pg_gemm_q8
  *                                          (x rounded to int8 once per linear)
- *   rotate q|k heads of qkv in place                                      pg_rope
+ *   [q, k heads rms-normed in place]                                      pg_head_rms_norm
+ *   rotate q|k heads of qkv in place (the layer's rope tables)            pg_rope
  *   k, v heads -> this layer's paged cache                                pg_write_kv
- *   attn = decode attention of the q heads over the cache                 pg_paged_decode
- *   x = attn @ Wo.T (+ b)
+ *   attn = decode attention of the q heads over the cache (the layer's    pg_paged_decode
+ *          view: its window's slots, and its scale)
+ *   x = attn @ Wo.T (+ b)                 [x = rms_norm(x) * w_post_attn, in place]
  *   res = res + x                         normed = rms_norm(res) * w2
  *   gu = normed @ Wgate_up.T (+ b)        act = silu(gate) * up           pg_silu_and_mul
- *   x = act @ Wdown.T (+ b)
+ *                                         (or gelu_tanh(gate) * up)       pg_gelu_tanh_and_mul
+ *   x = act @ Wdown.T (+ b)               [x = rms_norm(x) * w_post_ffn, in place]
  *
  * On return x holds the last layer's MLP output and res the residual stream, as the
  * module path leaves them for the final norm.
@@ -63,6 +67,10 @@ void pg_rope_part(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D,
                   const pg_team *team);
 void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
                           int64_t ldo, const pg_team *team);
+void pg_gelu_tanh_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                               int64_t ldo, const pg_team *team);
+void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
+                           const float *wq, const float *wk, float eps, const pg_team *team);
 int64_t pg_paged_decode_scratch(int64_t max_slots);
 void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, const float *k_store, const float *v_store, int64_t NB,
@@ -88,23 +96,39 @@ typedef struct {
     const float *bias; /* [n_out] or NULL */
 } pg_linear;
 
+enum { PG_ACT_SILU = 0, PG_ACT_GELU_TANH = 1 };
+#define PG_MAX_VIEWS 2 /* kinds of attention in one model (Gemma: sliding and global) */
+
 typedef struct {
-    const float *norm1, *norm2; /* input / post-attention RMSNorm weights */
+    const float *norm1, *norm2; /* the RMSNorm weights before attention and before the MLP */
     pg_linear qkv, o, gate_up, down;
     float *k_store, *v_store; /* K [KVH, NB, D, bs], V [KVH, NB, bs, D] */
+    const float *q_norm, *k_norm;          /* per-head norm weights [D], or NULL */
+    const float *post_attn, *post_ffn;     /* norms of the sub-blocks' outputs, or NULL */
+    const float *cos_table, *sin_table;    /* this layer's rope tables [max_pos, D] */
+    float scale;                           /* q.k scale */
+    int64_t view;                          /* which of the step's attention views */
+    int64_t act;                           /* PG_ACT_* */
 } pg_layer;
+
+/* The slots each row attends to, for the layers of one sliding window (or none): row t
+ * reads slots [lo[t], hi[t]) of its padded row of blocks table[t * table_stride ...]. */
+typedef struct {
+    const int64_t *table, *lo, *hi;
+    int64_t table_stride, max_slots;
+} pg_attn_view;
 
 /* What every layer shares in one step. Scratch rows are T x the width named. */
 typedef struct {
-    int64_t T, hidden, H, KVH, D, inter, NB, bs, table_stride, max_slots;
+    int64_t T, hidden, H, KVH, D, inter, NB, bs;
     int64_t direct_rows; /* GGUF products take pg_gemm up to this many rows, else pg_gemm_batched */
     int64_t n_q8;        /* rows whose products with the GGUF groups pg_q8_supported takes
                           * multiply int8-rounded activations (ggml_q8.c): the step's
                           * decodes, q8_rows[i] (NULL: rows 0 .. n_q8-1); 0: none */
     int64_t int8_levels; /* int8 levels each of those rows is rounded in (ggml_q8.c) */
-    float eps, scale;
-    const int64_t *positions, *slots, *table, *lo, *hi, *q8_rows;
-    const float *cos_table, *sin_table;
+    float eps;
+    const int64_t *positions, *slots, *q8_rows;
+    pg_attn_view views[PG_MAX_VIEWS];
     float *normed; /* hidden */
     float *qkv;    /* (H + 2 KVH) D */
     float *attn;   /* H D */
@@ -234,24 +258,42 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
                              s->normed, hid, team);
         pg_team_sync(team);
         linear(&L->qkv, s->normed, T, s->qkv, s, sc, team);
-        pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, s->cos_table,
-                     s->sin_table, team);
+        if (L->q_norm != NULL) {
+            pg_head_rms_norm_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->q_norm, L->k_norm,
+                                  s->eps, team);
+            pg_team_sync(team);
+        }
+        pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, L->cos_table,
+                     L->sin_table, team);
         pg_team_sync(team);
         const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
         pg_write_kv_part(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store,
                          s->NB, s->bs, s->slots, team);
         pg_team_sync(team);
+        const pg_attn_view *v = &s->views[L->view];
         pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
-                             s->NB, s->bs, s->table, s->table_stride, s->lo, s->hi,
-                             s->max_slots, s->scale, s->attn, sc->scores, team);
+                             s->NB, s->bs, v->table, v->table_stride, v->lo, v->hi,
+                             v->max_slots, L->scale, s->attn, sc->scores, team);
         pg_team_sync(team);
         linear(&L->o, s->attn, T, x, s, sc, team);
+        if (L->post_attn != NULL) { /* in place: each row's scale is taken before it is written */
+            pg_add_rms_norm_part(x, hid, NULL, 0, L->post_attn, T, hid, s->eps, x, hid, team);
+            pg_team_sync(team);
+        }
         pg_add_rms_norm_part(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid, team);
         pg_team_sync(team);
         linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
-        pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
+        if (L->act == PG_ACT_GELU_TANH)
+            pg_gelu_tanh_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter,
+                                      team);
+        else
+            pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
         pg_team_sync(team);
         linear(&L->down, s->act, T, x, s, sc, team);
+        if (L->post_ffn != NULL) {
+            pg_add_rms_norm_part(x, hid, NULL, 0, L->post_ffn, T, hid, s->eps, x, hid, team);
+            pg_team_sync(team);
+        }
     }
 }
 
@@ -276,7 +318,13 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     /* per thread: weight rows, then attention scores (each a multiple of 16 floats) */
     int64_t wrow = pg_gemm_scratch(k_max), batched = pg_gemm_batched_wbuf(k_max);
     wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
-    const int64_t scores = (pg_paged_decode_scratch(s->max_slots) + 15) / 16 * 16;
+    int64_t max_slots = 0;
+    for (int64_t l = 0; l < n_layers; l++) {
+        if (layers[l].view < 0 || layers[l].view >= PG_MAX_VIEWS) return -1;
+        const int64_t m = s->views[layers[l].view].max_slots;
+        if (m > max_slots) max_slots = m;
+    }
+    const int64_t scores = (pg_paged_decode_scratch(max_slots) + 15) / 16 * 16;
     const int64_t threads = omp_get_max_threads();
     /* then the team's x rows: packed (xp), and as int8 values, scales and sums per 16 (q8) */
     const int64_t xp = (xp_floats + 15) / 16 * 16;

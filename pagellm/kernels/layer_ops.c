@@ -1,5 +1,6 @@
 /* The small per-layer ops of a decoder step, each fused into one pass over its rows, in
- * float32: residual add + RMSNorm, rotary embedding of q and k in place, SiLU-and-mul.
+ * float32: residual add + RMSNorm, per-head RMSNorm of q and k, rotary embedding of q and
+ * k in place, SiLU-and-mul and GELU(tanh)-and-mul.
  * Their torch compositions live beside their callers (layers/layernorm.py,
  * rotary_embedding.py, activation.py) and are what tests compare these against.
  *
@@ -56,6 +57,28 @@ void pg_add_rms_norm(float *x, int64_t ldx, const float *res, int64_t ldr, const
                 pg_add_rms_norm_part(x, ldx, res, ldr, w, T, N, eps, out, ldo, &team));
 }
 
+/* Per-head RMSNorm of q and k in place (Qwen3, Gemma 3): row t holds nq q heads then nk
+ * k heads, D values each, from x + t * ldx; q heads are scaled by wq, k heads by wk. Each
+ * head is pg_add_rms_norm's row: the same sums and products. */
+void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
+                           const float *wq, const float *wk, float eps, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * (nq + nk) * D >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t h = 0; h < nq + nk; h++) {
+            float *xr = x + t * ldx + h * D;
+            const float *w = h < nq ? wq : wk;
+            float inv = 1.0f / sqrtf(sum_squares(xr, D) / (float)D + eps);
+            for (int64_t i = 0; i < D; i++) xr[i] = (xr[i] * inv) * w[i];
+        }
+}
+
+void pg_head_rms_norm(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
+                      const float *wq, const float *wk, float eps) {
+    PG_TEAM_RUN(T * (nq + nk) * D >= PG_ROWS_PARALLEL_MIN,
+                pg_head_rms_norm_part(x, ldx, T, nq, nk, D, wq, wk, eps, &team));
+}
+
 /* Rotary embedding ("rotate half", NeoX/Hugging Face layout) of `heads` heads of D values
  * per row, in place. Row t holds its heads D apart from x + t * ldx (q heads then k heads
  * of a fused qkv output) and sits at position pos[t]; cos/sin are the tables of
@@ -87,22 +110,32 @@ void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const i
                 pg_rope_part(x, ldx, T, heads, D, pos, cos_table, sin_table, &team));
 }
 
-/* o[i] = silu(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
+/* The gates: silu(g) = g / (1 + e^-g); GELU's tanh form
+ * 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), is the same shape:
+ * 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u). */
+static inline v8f silu8(v8f g) { return g / (1.0f + v8_exp(-g)); }
+
+static inline v8f gelu_tanh8(v8f g) {
+    v8f u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + v8_exp(-2.0f * u));
+}
+
+/* o[i] = act(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
  * (memcpy of a constant 32 bytes compiles to one unaligned load or store). */
-static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+static void act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         v8f gv, uv;
         memcpy(&gv, g + i, sizeof gv);
         memcpy(&uv, u + i, sizeof uv);
-        v8f ov = gv / (1.0f + v8_exp(-gv)) * uv;
+        v8f ov = (gelu ? gelu_tanh8(gv) : silu8(gv)) * uv;
         memcpy(o + i, &ov, sizeof ov);
     }
     if (i < n) {
         v8f gv = {0}, uv = {0};
         memcpy(&gv, g + i, (size_t)(n - i) * sizeof(float));
         memcpy(&uv, u + i, (size_t)(n - i) * sizeof(float));
-        v8f ov = gv / (1.0f + v8_exp(-gv)) * uv;
+        v8f ov = (gelu ? gelu_tanh8(gv) : silu8(gv)) * uv;
         memcpy(o + i, &ov, (size_t)(n - i) * sizeof(float));
     }
 }
@@ -113,11 +146,25 @@ void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, flo
                           int64_t ldo, const pg_team *team) {
     int64_t t0, t1;
     pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) silu_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I);
+    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, 0);
 }
 
 void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
                      int64_t ldo) {
     PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
                 pg_silu_and_mul_part(x, ldx, T, I, out, ldo, &team));
+}
+
+/* out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i] (Gemma's gated MLP). */
+void pg_gelu_tanh_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                               int64_t ldo, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, 1);
+}
+
+void pg_gelu_tanh_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
+                          int64_t ldo) {
+    PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
+                pg_gelu_tanh_and_mul_part(x, ldx, T, I, out, ldo, &team));
 }

@@ -1,22 +1,36 @@
 """Maps Hugging Face `architectures` names to model classes, imported lazily so a family
-with heavy or missing dependencies costs nothing until it is used. Adding a family is
-one line here plus its module; the engine never changes.
+with heavy or missing dependencies costs nothing until it is used, and GGUF
+`general.architecture` names to the same entries. Adding a family is one line here plus
+its module (which owns its layers, its checkpoint names and its GGUF tensor names); the
+engine never changes.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # the frontend checks architectures without importing torch
     from torch import nn
 
-# architecture name -> (module under pagellm.model_executor.models, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+
+class _Entry(NamedTuple):
+    module: str
+    """Module under pagellm.model_executor.models."""
+    cls: str
+    gguf_arch: str | None
+    """llama.cpp's `general.architecture` for the family, None: no GGUF support."""
+    model_type: str
+    """transformers' config `model_type` (what a GGUF-derived config is given)."""
+
+
+_MODELS: dict[str, _Entry] = {
+    "LlamaForCausalLM": _Entry("llama", "LlamaForCausalLM", "llama", "llama"),
+    "MistralForCausalLM": _Entry("llama", "MistralForCausalLM", "mistral", "mistral"),
+    "Qwen2ForCausalLM": _Entry("qwen2", "Qwen2ForCausalLM", "qwen2", "qwen2"),
+    "Qwen3ForCausalLM": _Entry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
+    "Gemma2ForCausalLM": _Entry("gemma", "Gemma2ForCausalLM", "gemma2", "gemma2"),
+    "Gemma3ForCausalLM": _Entry("gemma", "Gemma3ForCausalLM", "gemma3", "gemma3_text"),
 }
 
 
@@ -30,12 +44,17 @@ class ModelRegistry:
         return arch in _MODELS
 
     @staticmethod
+    def gguf_architectures() -> dict[str, tuple[str, str]]:
+        """GGUF general.architecture -> (HF architectures name, model_type)."""
+        return {e.gguf_arch: (arch, e.model_type) for arch, e in _MODELS.items() if e.gguf_arch}
+
+    @staticmethod
     def resolve_model_cls(arch: str) -> type[nn.Module]:
         if arch not in _MODELS:
             raise ValueError(
                 f"model architecture {arch!r} is not supported; supported: "
                 f"{', '.join(ModelRegistry.get_supported_archs())}"
             )
-        module_name, cls_name = _MODELS[arch]
-        module = importlib.import_module(f"pagellm.model_executor.models.{module_name}")
-        return getattr(module, cls_name)
+        entry = _MODELS[arch]
+        module = importlib.import_module(f"pagellm.model_executor.models.{entry.module}")
+        return getattr(module, entry.cls)

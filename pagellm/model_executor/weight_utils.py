@@ -10,12 +10,14 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pagellm.model_executor.arch_config import num_kv_heads_of
+from pagellm.model_executor.registry import ModelRegistry
 from pagellm.utils import cdiv
 
 if TYPE_CHECKING:  # the frontend reads GGUF metadata without importing torch
@@ -24,12 +26,7 @@ if TYPE_CHECKING:  # the frontend reads GGUF metadata without importing torch
 logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> HF architectures name (and config model_type).
-GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "mistral": ("MistralForCausalLM", "mistral"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = ModelRegistry.gguf_architectures()
 
 # Tensor types we dequantize (gguf.quants covers them); anything else is refused by name.
 SUPPORTED_GGUF_TYPES = (
@@ -39,8 +36,8 @@ SUPPORTED_GGUF_TYPES = (
 
 _DEQUANT_SLAB = 1 << 20  # values dequantized per numpy call
 
-# llama.cpp per-layer tensor stem -> HF module path under model.layers.N.
-_GGUF_LAYER_NAMES: dict[str, str] = {
+# llama.cpp per-layer tensor stem -> HF module path under model.layers.N (Llama's).
+LLAMA_GGUF_LAYER_NAMES: dict[str, str] = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -58,6 +55,22 @@ _GGUF_GLOBAL_NAMES: dict[str, str] = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """What llama.cpp's converter did to one family's tensors, so the loader can give
+    them back under Hugging Face's names and conventions. Each model class owns one
+    (`gguf_family`)."""
+
+    layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    """llama.cpp per-layer tensor stem -> HF module path under model.layers.N."""
+    permuted_qk: bool = False
+    """q/k rows were interleaved per head (llama.cpp's LlamaModel converter: Llama,
+    Mistral), undone on loading."""
+    norm_offset: float = 0.0
+    """Subtracted from every norm weight: Gemma's converter stores 1 + w where HF keeps
+    w (transformers' GGUF loader does the same subtraction)."""
 
 
 def is_gguf(path: str) -> bool:
@@ -183,6 +196,15 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     if freqs is not None:  # llama3 scaling as llama.cpp's converter stores it
         kwargs["rope_freq_factors"] = dequantize_gguf_tensor(path, freqs).reshape(-1).tolist()
     kwargs["tie_word_embeddings"] = "output.weight" not in names
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
+        value = gguf_field(reader, f"{arch}.{key}")
+        if value is not None:
+            kwargs[key] = value
+    if arch == "gemma3" and "rope_scaling" in kwargs:
+        # Gemma 3 scales only its global layers' rope, and max_position_embeddings is
+        # already the scaled context: transformers' per-kind form says both
+        kwargs["rope_parameters"] = {"full_attention": {
+            **kwargs.pop("rope_scaling"), "rope_theta": kwargs.get("rope_theta", 1e6)}}
     for key, hf_key in (
         ("bos", "bos_token_id"),
         ("eos", "eos_token_id"),
@@ -194,12 +216,12 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     return hf_arch, model_type, kwargs
 
 
-def _gguf_hf_name(name: str) -> str | None:
+def _gguf_hf_name(name: str, family: GGUFFamily) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None to skip."""
     stem, _, suffix = name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        hf = _GGUF_LAYER_NAMES.get(part)
+        hf = family.layer_names.get(part)
         return f"model.layers.{layer}.{hf}.{suffix}" if hf else None
     hf = _GGUF_GLOBAL_NAMES.get(stem)
     return f"{hf}.{suffix}" if hf else None
@@ -356,25 +378,39 @@ class GGUFIndex:
             self.tensors.append(GGUFTensorInfo(path, name, dims, qtype, start + offset, n_bytes, mapping))
 
 
+def gguf_family(hf_config: Any) -> GGUFFamily:
+    """The GGUF facts of the config's model class (imports the family's module)."""
+    model_cls = ModelRegistry.resolve_model_cls(hf_config.architectures[0])
+    return getattr(model_cls, "gguf_family", GGUFFamily())
+
+
 def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | None]]:
     """(HF name, GGUF tensor, heads whose q/k rows llama.cpp permuted or None) for every
     weight of a GGUF file."""
     index = GGUFIndex(path)
-    arch = index.architecture
+    family = gguf_family(hf_config)
     n_heads = hf_config.num_attention_heads
     n_kv = num_kv_heads_of(hf_config)
     for tensor in index.tensors:
-        hf_name = _gguf_hf_name(tensor.name)
+        hf_name = _gguf_hf_name(tensor.name, family)
         if hf_name is None:
             if tensor.name != "rope_freqs.weight":
                 raise ValueError(f"{path}: unknown GGUF tensor {tensor.name!r}")
             continue
         permuted = None
-        if arch in ("llama", "mistral") and ".attn_q." in tensor.name:
+        if family.permuted_qk and ".attn_q." in tensor.name:
             permuted = n_heads
-        elif arch in ("llama", "mistral") and ".attn_k." in tensor.name:
+        elif family.permuted_qk and ".attn_k." in tensor.name:
             permuted = n_kv
         yield hf_name, tensor, permuted
+
+
+def _float_tensor(path: str, tensor: Any, hf_name: str, family: GGUFFamily) -> np.ndarray:
+    """A 1-D (or float) tensor dequantized, with the family's norm offset taken back."""
+    w = dequantize_gguf_tensor(path, tensor)
+    if family.norm_offset and hf_name.endswith("norm.weight"):
+        return (w - np.float32(family.norm_offset)).astype(np.float32)
+    return w
 
 
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
@@ -385,8 +421,9 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
 
 def gguf_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor of a GGUF file."""
+    family = gguf_family(hf_config)
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
-        w = dequantize_gguf_tensor(path, tensor)
+        w = _float_tensor(path, tensor, hf_name, family)
         if permuted is not None:
             w = w[llama_row_order(w.shape[0], permuted)]
         if not w.flags.writeable:  # F32/F16 tensors are views of the read-only mapping
@@ -437,11 +474,12 @@ class GGUFTensor:
 def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, Any]]:
     """Yield (HF name, weight) for every tensor of a GGUF file: 2-D weights as
     `GGUFTensor` (still in the file's blocks), 1-D ones (norms) as float32 tensors."""
+    family = gguf_family(hf_config)
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
         if len(tensor.shape) == 2 and int(tensor.shape[1]) > 1:
             yield hf_name, GGUFTensor(path, tensor, permuted)
         else:
-            w = dequantize_gguf_tensor(path, tensor)
+            w = _float_tensor(path, tensor, hf_name, family)
             yield hf_name, _from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 

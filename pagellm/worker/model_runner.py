@@ -17,8 +17,10 @@ import torch
 from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import (
     AttentionBackend,
+    AttentionGroups,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    model_layer_windows,
     set_forward_context,
 )
 from pagellm.config import EngineConfig
@@ -74,9 +76,10 @@ class ModelRunner:
             self._forward = torch.compile(
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )
-        self.attn_builder: AttentionMetadataBuilder = self.attn_backend.get_builder_cls()(
-            self.block_size, self.device, sliding_window=getattr(self.model, "sliding_window", None)
-        )
+        self.attn_groups = AttentionGroups(self.attn_backend, self.block_size, self.device,
+                                           model_layer_windows(self.model))
+        """A metadata builder per distinct sliding window of the model's layers."""
+        self.attn_builder: AttentionMetadataBuilder = self.attn_groups.primary
         logger.info(
             "Loaded %s (%s, %s activations, weights %s) on %s in %.2f s",
             self.model_config.model,
@@ -158,8 +161,9 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(sched)
-        attn_metadata = self.attn_builder.build(inputs.common)
-        with set_forward_context(attn_metadata, self.kv_caches, self._generated_rows(inputs)):
+        attn_metadata, by_window = self.attn_groups.build(inputs.common)
+        with set_forward_context(attn_metadata, self.kv_caches, self._generated_rows(inputs),
+                                 by_window):
             hidden = self._forward(inputs.input_ids, inputs.positions)
         return self._sample_and_collect(sched, inputs, hidden)
 

@@ -227,7 +227,7 @@ def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float] | None
     w.add_float32("llama.rope.freq_base", LLAMA3_ROPE["rope_theta"])
     for key, value in (metadata or {}).items():
         {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](key, value)
-    layer_names = {hf: g for g, hf in weight_utils._GGUF_LAYER_NAMES.items()}
+    layer_names = {hf: g for g, hf in weight_utils.LLAMA_GGUF_LAYER_NAMES.items()}
     global_names = {hf: g for g, hf in weight_utils._GGUF_GLOBAL_NAMES.items()}
     permuted_heads = {"attn_q": heads, "attn_k": kv_heads}
     for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items():

@@ -1,6 +1,8 @@
 """Gated activation: the fused gate_up projection output [T, 2*I] becomes act(gate) * up
-[T, I]. Only SiLU is used by the supported families. float32 rows on the CPU take one C
-pass (`pg_silu_and_mul`, pagellm/kernels/layer_ops.c); `forward_torch` is the reference."""
+[T, I]. SiLU (Llama, Qwen, Mistral) or GELU (Gemma: tanh-approximated). float32 rows on
+the CPU take one C pass (`pg_silu_and_mul`, `pg_gelu_tanh_and_mul`,
+pagellm/kernels/layer_ops.c); `forward_torch` is the reference (torch's ops, which
+Hugging Face's activations call). The erf GELU always runs torch's op."""
 
 from __future__ import annotations
 
@@ -33,7 +35,41 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
+class GeluAndMul(nn.Module):
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+        """torch's `approximate`: "tanh" (gelu_pytorch_tanh) or "none" (erf)."""
+        self.kernels = load_kernels() if approximate == "tanh" else None
+        """The tanh form's C pass (`pg_gelu_tanh_and_mul`), or None: torch's op."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = self.kernels
+        if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
+                or x.device.type != "cpu"):
+            return self.forward_torch(x)
+        t, d = x.shape[0], x.shape[1] // 2
+        out = torch.empty(t, d, dtype=torch.float32)
+        lib.pg_gelu_tanh_and_mul(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
+        return out
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate).mul_(x[..., d:])
+
+
+# transformers' activation names -> the gated module (ACT2FN's functions)
+_ACTIVATIONS = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_tanh": lambda: GeluAndMul("tanh"),
+    "gelu": lambda: GeluAndMul("none"),
+}
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
-    if hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu'")
-    return SiluAndMul()
+    if hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: "
+                         f"{', '.join(repr(a) for a in _ACTIVATIONS)}")
+    return _ACTIVATIONS[hidden_act]()

@@ -20,17 +20,22 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_idx: int,
         backend: type,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_idx = layer_idx
-        self.impl = backend.get_impl_cls()(num_heads, head_dim, scale, num_kv_heads)
+        self.sliding_window = sliding_window
+        """Keys a query sees, itself included (None: the whole context)."""
+        self.impl = backend.get_impl_cls()(num_heads, head_dim, scale, num_kv_heads,
+                                           sliding_window, logits_soft_cap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        out = self.impl.forward(q, k, v, kv_cache, ctx.attn_metadata)
+        out = self.impl.forward(q, k, v, kv_cache, ctx.metadata_for(self.sliding_window))
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

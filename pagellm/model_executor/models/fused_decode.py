@@ -1,4 +1,5 @@
-"""A Llama-family decoder stack run as one C call (`pg_decode_layers`,
+"""A decoder stack (Llama's layer, or a family's that describes itself as one with
+extras: `fused_layer()`) run as one C call (`pg_decode_layers`,
 pagellm/kernels/decode_step.c) per `max_rows` rows of a step of up to
 ROW_ATTENTION_MAX_ROWS rows: the kernels the module path calls one at a time from Python
 (~10 calls and their checks per layer), in the same order. On decode-only steps its numbers equal the module path's bit for bit.
@@ -17,6 +18,7 @@ path then runs. It knows the torch backend's cache layout and decode metadata.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from pagellm.attention.torch_backend import (
     TorchAttentionMetadata,
 )
 from pagellm.kernels import load_kernels
-from pagellm.model_executor.layers.activation import SiluAndMul
+from pagellm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model_executor.layers.linear import Linear, UnquantizedLinearMethod
 from pagellm.model_executor.layers.quantization.gguf import (
     BATCHED_MAX_ROWS,
@@ -39,6 +41,45 @@ from pagellm.model_executor.layers.quantization.gguf import (
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+MAX_VIEWS = 2
+"""Distinct sliding windows one stack serves (PG_MAX_VIEWS: Gemma's sliding and global)."""
+
+
+@dataclass
+class FusedLayer:
+    """One decoder layer as the C stack runs it, given by its family (`fused_layer()`):
+    the norms around its sub-blocks, its four linears, its attention layer and gate."""
+
+    norm1: Any
+    """RMSNorm before attention (adds the residual stream first)."""
+    norm2: Any
+    """RMSNorm before the MLP (adds the attention block's output first)."""
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    attn: Any
+    """The layer's `Attention` (its impl, scale and sliding window)."""
+    act: Any
+    q_norm: Any = None
+    k_norm: Any = None
+    """Per-head norms of q and k before rope (Qwen3, Gemma 3), or None."""
+    post_attn: Any = None
+    post_ffn: Any = None
+    """Norms of the attention and MLP outputs (Gemma), or None."""
+
+    def norms(self) -> list[Any]:
+        return [n for n in (self.norm1, self.norm2, self.q_norm, self.k_norm, self.post_attn,
+                            self.post_ffn) if n is not None]
+
+
+def _act_code(act: Any) -> int | None:
+    if isinstance(act, SiluAndMul):
+        return 0
+    if isinstance(act, GeluAndMul) and act.approximate == "tanh":
+        return 1
+    return None
 
 
 class _WeightGroup(ctypes.Structure):  # pg_weight_group
@@ -53,17 +94,25 @@ class _Linear(ctypes.Structure):  # pg_linear
 
 class _Layer(ctypes.Structure):  # pg_layer
     _fields_ = [("norm1", _ptr), ("norm2", _ptr), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_store", _ptr), ("v_store", _ptr)]  # fmt: skip
+                ("gate_up", _Linear), ("down", _Linear), ("k_store", _ptr), ("v_store", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("post_attn", _ptr), ("post_ffn", _ptr),
+                ("cos_table", _ptr), ("sin_table", _ptr), ("scale", _f32), ("view", _i64),
+                ("act", _i64)]  # fmt: skip
+
+
+class _View(ctypes.Structure):  # pg_attn_view
+    _fields_ = [("table", _ptr), ("lo", _ptr), ("hi", _ptr), ("table_stride", _i64),
+                ("max_slots", _i64)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
-                              "table_stride", "max_slots", "direct_rows", "n_q8",
-                              "int8_levels")],
-        ("eps", _f32), ("scale", _f32),
-        *[(n, _ptr) for n in ("positions", "slots", "table", "lo", "hi", "q8_rows", "cos_table",
-                              "sin_table", "normed", "qkv", "attn", "gate_up", "act")],
+                              "direct_rows", "n_q8", "int8_levels")],
+        ("eps", _f32),
+        *[(n, _ptr) for n in ("positions", "slots", "q8_rows")],
+        ("views", _View * MAX_VIEWS),
+        *[(n, _ptr) for n in ("normed", "qkv", "attn", "gate_up", "act")],
     ]  # fmt: skip
 
 
@@ -79,10 +128,10 @@ def _weight_groups(layer: Linear) -> list[Any] | None:
     return None
 
 
-def _q8_activations(model: Any) -> tuple[bool, int]:
+def _q8_activations(parts: list[FusedLayer]) -> tuple[bool, int]:
     """(whether the model's GGUF linears round decode rows to int8, in how many levels):
     one setting for the whole stack (GGUFConfig)."""
-    methods = [m.quant_method for layer in model.layers for m in _linears(layer)]
+    methods = [m.quant_method for p in parts for m in _linears(p)]
     q8 = {(m.q8_activations, m.int8_levels) for m in methods if isinstance(m, GGUFLinearMethod)}
     assert len(q8) <= 1, "one activation setting per model"
     return q8.pop() if q8 else (False, 1)
@@ -96,9 +145,8 @@ def _max_rows(layer: Linear) -> int:
     return layer.dense_f32.max_rows
 
 
-def _linears(layer: Any) -> tuple[Linear, ...]:
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+def _linears(part: FusedLayer) -> tuple[Linear, ...]:
+    return (part.qkv, part.o, part.gate_up, part.down)
 
 
 def _linear(layer: Linear, keep: list[Any]) -> _Linear:
@@ -113,57 +161,66 @@ def _linear(layer: Linear, keep: list[Any]) -> _Linear:
     return _Linear(len(groups), layer.in_features, layer.out_features, groups, bias)
 
 
-def _qualifies(model: Any, lib: Any) -> bool:
-    """Linears the C products take (GGUF blocks on float32 activations, or float32 weights
-    the kernels can read), no per-head q/k norm, SiLU, float32 norms and rope tables, the
-    torch backend's C attention."""
-    if lib is None or model.rotary_emb.cos_cache.dtype != torch.float32:
+def _ptr_of(norm: Any) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+def _qualifies(parts: list[FusedLayer] | None, ropes: list[Any], lib: Any) -> bool:
+    """Every layer described (`fused_layer()`), linears the C products take (GGUF blocks,
+    or float32 weights the kernels can read), a gate the stack computes, float32 norms of
+    one epsilon and rope tables, the torch backend's C attention without a score cap, at
+    most MAX_VIEWS distinct windows."""
+    if lib is None or parts is None or any(r.cos_cache.dtype != torch.float32 for r in ropes):
         return False
-    eps = model.layers[0].input_layernorm.variance_epsilon
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = _linears(layer)
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    eps = parts[0].norm1.variance_epsilon
+    if len({p.attn.sliding_window for p in parts}) > MAX_VIEWS:
+        return False
+    for p in parts:
+        impl = p.attn.impl
         if (
-            attn.q_norm is not None
-            or not isinstance(mlp.act_fn, SiluAndMul)
-            or not isinstance(attn.attn.impl, TorchAttentionImpl)
-            or attn.attn.impl.kernels is None
-            or any(_weight_groups(m) is None for m in linears)
+            _act_code(p.act) is None
+            or not isinstance(impl, TorchAttentionImpl)
+            or impl.kernels is None
+            or impl.logits_soft_cap is not None
+            or any(_weight_groups(m) is None for m in _linears(p))
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
-                   or not n.weight.is_contiguous() or n.variance_epsilon != eps for n in norms)
+                   or not n.weight.is_contiguous() or n.variance_epsilon != eps
+                   for n in p.norms())
         ):  # fmt: skip
             return False
     return True
 
 
 class FusedDecodeStack:
-    """The C descriptions of a LlamaModel's layers, and the scratch rows of a step."""
+    """The C descriptions of a model's layers (each from its `fused_layer()`), and the
+    scratch rows of a step."""
 
-    def __init__(self, model: Any, lib: Any) -> None:
+    def __init__(self, model: Any, parts: list[FusedLayer], ropes: list[Any], lib: Any) -> None:
         self.lib = lib
-        self.model = model
-        first = model.layers[0]
-        attn = first.self_attn
+        self.parts = parts
+        first = parts[0]
+        attn = first.attn
         self.H, self.KVH, self.D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.hidden = first.input_layernorm.weight.shape[0]
-        self.inter = first.mlp.down_proj.in_features
-        self.eps = first.input_layernorm.variance_epsilon
-        self.scale = attn.attn.impl.scale
-        self.n_layers = len(model.layers)
+        self.hidden = first.norm1.weight.shape[0]
+        self.inter = first.down.in_features
+        self.eps = first.norm1.variance_epsilon
+        self.windows = list(dict.fromkeys(p.attn.sliding_window for p in parts))
+        """The distinct sliding windows: layer i attends through view windows.index(w)."""
+        self.n_layers = len(parts)
         self._keep: list[Any] = []
         self._layers = (_Layer * self.n_layers)()
-        for i, layer in enumerate(model.layers):
-            a, m = layer.self_attn, layer.mlp
+        for i, (p, rope) in enumerate(zip(parts, ropes)):
             self._layers[i] = _Layer(
-                layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                _linear(a.qkv_proj, self._keep), _linear(a.o_proj, self._keep),
-                _linear(m.gate_up_proj, self._keep), _linear(m.down_proj, self._keep),
-                None, None,
+                p.norm1.weight.data_ptr(), p.norm2.weight.data_ptr(),
+                _linear(p.qkv, self._keep), _linear(p.o, self._keep),
+                _linear(p.gate_up, self._keep), _linear(p.down, self._keep), None, None,
+                _ptr_of(p.q_norm), _ptr_of(p.k_norm), _ptr_of(p.post_attn), _ptr_of(p.post_ffn),
+                rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), p.attn.impl.scale,
+                self.windows.index(p.attn.sliding_window), _act_code(p.act),
             )  # fmt: skip
+        self._keep.append(ropes)  # the tables the layers point into
         self._caches: Any = None  # the kv_caches list whose pointers _layers holds
-        self.max_rows = min(_max_rows(m) for layer in model.layers for m in _linears(layer))
+        self.max_rows = min(_max_rows(m) for p in parts for m in _linears(p))
         """Rows a step may have: as many as every linear's C product takes on the module
         path (above, the module path runs torch's products)."""
         rows = self.max_rows
@@ -175,12 +232,10 @@ class FusedDecodeStack:
             setattr(self._step, name, buf.data_ptr())
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
-        self.q8, s.int8_levels = _q8_activations(model)
+        self.q8, s.int8_levels = _q8_activations(parts)
         """Whether the step's decode rows multiply int8 activations (int8_rows); the float
         rows then take the batched kernel at any count, as on the module path."""
-        s.eps, s.scale, s.direct_rows = self.eps, self.scale, 0 if self.q8 else DIRECT_MAX_ROWS
-        s.cos_table = model.rotary_emb.cos_cache.data_ptr()
-        s.sin_table = model.rotary_emb.sin_cache.data_ptr()
+        s.eps, s.direct_rows = self.eps, 0 if self.q8 else DIRECT_MAX_ROWS
         self._layers_ptr = ctypes.addressof(self._layers)
         self._step_ptr = ctypes.addressof(self._step)
 
@@ -207,56 +262,81 @@ class FusedDecodeStack:
 
     @classmethod
     def build(cls, model: Any) -> FusedDecodeStack | None:
-        """The stack for `model` (a loaded LlamaModel), or None where it does not apply."""
+        """The stack for `model` (a loaded LlamaModel or subclass), or None where it does
+        not apply (a layer without `fused_layer`, or parts the kernels do not take)."""
         lib = load_kernels()
-        return cls(model, lib) if _qualifies(model, lib) else None
+        layers = list(model.layers)
+        parts = ([layer.fused_layer() for layer in layers]
+                 if all(hasattr(layer, "fused_layer") for layer in layers) else None)
+        ropes = model.layer_ropes()
+        return cls(model, parts, ropes, lib) if _qualifies(parts, ropes, lib) else None
 
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point each layer at its cache storage (once per cache allocation)."""
-        for i, layer in enumerate(self.model.layers):
-            k_store, v_store = layer.self_attn.attn.impl._storage(kv_caches[i])
+        for i, p in enumerate(self.parts):
+            k_store, v_store = p.attn.impl._storage(kv_caches[p.attn.layer_idx])
             self._layers[i].k_store = k_store.data_ptr()
             self._layers[i].v_store = v_store.data_ptr()
             self.NB, self.bs = k_store.shape[1], k_store.shape[3]
         self._caches = kv_caches
 
-    def run(self, x: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _views(self, t: int) -> list[Any] | None:
+        """Each window's rows (DecodeBatch or RowAttention) for a step of t rows, or None
+        where the step is not one the stack takes."""
+        ctx = get_forward_context()
+        views = []
+        for window in self.windows:
+            md = ctx.metadata_for(window)
+            if (
+                not isinstance(md, TorchAttentionMetadata)
+                or not (md.decode_only or md.rows is not None)
+                or md.num_actual_tokens != t
+                or md.slot_mapping.dtype != torch.int64
+                or not md.slot_mapping.is_contiguous()
+            ):
+                return None
+            views.append(md.decode if md.decode_only else md.rows)
+        return views
+
+    def run(self, x: torch.Tensor, ropes: list[RopeTables]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [T, hidden] embeddings (overwritten with the last MLP output) -> (x, residual),
-        or None where this step takes the module path. A step of more than `max_rows`
-        rows (up to ROW_ATTENTION_MAX_ROWS) runs as consecutive calls of `max_rows` rows: a row's
+        or None where this step takes the module path. `ropes`: each layer's tables of
+        the step (the positions are shared). A step of more than `max_rows` rows (up to
+        ROW_ATTENTION_MAX_ROWS) runs as consecutive calls of `max_rows` rows: a row's
         linears do not depend on the other rows, and a prompt row's keys from an earlier
         call are in the cache by then, as in a chunked prefill."""
-        md = get_forward_context().attn_metadata
         t = x.shape[0]
         if (
             t > ROW_ATTENTION_MAX_ROWS
-            or rope.kernels is None
-            or not isinstance(md, TorchAttentionMetadata)
-            or not (md.decode_only or md.rows is not None)
-            or md.num_actual_tokens != t
+            or any(r.kernels is None for r in ropes)
             or x.dtype != torch.float32
             or not x.is_contiguous()
-            or md.slot_mapping.dtype != torch.int64
-            or not md.slot_mapping.is_contiguous()
         ):
             return None
-        kv_caches = get_forward_context().kv_caches
-        if kv_caches is not self._caches:
-            self._bind_caches(kv_caches)
-        # a step with prompt chunks attends each row as a decode of its own (RowAttention)
-        rows = md.decode if md.decode_only else md.rows
-        table, lo, hi = rows.block_table, rows.slot_lo, rows.slot_hi
+        views = self._views(t)
+        if views is None:
+            return None
+        ctx = get_forward_context()
+        md = ctx.metadata_for(self.windows[0])
+        if ctx.kv_caches is not self._caches:
+            self._bind_caches(ctx.kv_caches)
         s, width = self._step, x.shape[1]
-        s.NB, s.bs, s.max_slots, s.table_stride = self.NB, self.bs, rows.max_slots, table.stride(0)
+        s.NB, s.bs = self.NB, self.bs
+        for i, rows in enumerate(views):
+            s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)
         q8_rows = int8_rows(t) if self.q8 else None
+        positions = ropes[0].positions
         for a in range(0, t, self.max_rows):
             b = min(t, a + self.max_rows)
             s.T = b - a
             keep = self._bind_q8_rows(q8_rows, a, b)  # noqa: F841 (alive through the call)
-            s.table = table.data_ptr() + a * table.stride(0) * 8  # int64 rows
-            s.lo, s.hi = lo.data_ptr() + a * 8, hi.data_ptr() + a * 8
-            s.positions = rope.positions.data_ptr() + a * 8
+            for i, rows in enumerate(views):
+                table = rows.block_table
+                s.views[i].table = table.data_ptr() + a * table.stride(0) * 8  # int64 rows
+                s.views[i].lo = rows.slot_lo.data_ptr() + a * 8
+                s.views[i].hi = rows.slot_hi.data_ptr() + a * 8
+            s.positions = positions.data_ptr() + a * 8
             s.slots = md.slot_mapping.data_ptr() + a * 8
             if self.lib.pg_decode_layers(self._layers_ptr, self.n_layers, self._step_ptr,
                                          x.data_ptr() + a * width * 4, res.data_ptr() + a * width * 4):

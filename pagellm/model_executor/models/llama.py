@@ -2,7 +2,9 @@
 RMSNorm, rotary embeddings, grouped-query attention and a SiLU-gated MLP.
 
 Input: flattened token ids and positions of one step [T]; output: hidden states [T, H].
-Qwen2 and Qwen3 reuse these modules with two switches (q/k/v bias, per-head q/k norm).
+Qwen2 and Qwen3 reuse these modules with two switches (q/k/v bias, per-head q/k norm);
+Gemma brings its own decoder layer and norms (`LlamaModel(layer_cls=, norm_cls=)`) and
+per-layer attention facts (`LayerAttention`: scale, sliding window, score cap).
 Paged attention state comes from the forward context, never from arguments. Inside a
 forward, submodules are called through `.forward`: nn.Module.__call__'s hook handling
 costs ~2 us a call, and a decode step makes ~11 such calls per layer.
@@ -25,7 +27,8 @@ from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
 from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
-from pagellm.model_executor.models.fused_decode import FusedDecodeStack
+from pagellm.model_executor.models.fused_decode import FusedDecodeStack, FusedLayer
+from pagellm.model_executor.weight_utils import GGUFFamily
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight.
@@ -47,7 +50,19 @@ class LayerOptions:
     o_bias: bool
     """Bias on the output projection."""
     qk_norm: bool
-    """Per-head RMSNorm of q and k before rope (Qwen3)."""
+    """Per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention facts, handed to its AttentionImpl."""
+
+    scale: float
+    """Multiplies q.k (head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)."""
+    sliding_window: int | None = None
+    """Keys a query sees, itself included; None: the whole context."""
+    logits_soft_cap: float | None = None
+    """Scores become cap * tanh(score / cap) (Gemma 2); None: uncapped."""
 
 
 class LlamaAttention(nn.Module):
@@ -57,8 +72,10 @@ class LlamaAttention(nn.Module):
         layer_idx: int,
         backend: type,
         opts: LayerOptions,
+        attn: LayerAttention,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -74,15 +91,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, opts.o_bias, quant_config,
                              f"{prefix}.o_proj")
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if opts.qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, eps) if opts.qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, eps) if opts.qk_norm else None
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            attn.scale,
             self.num_kv_heads,
             layer_idx,
             backend,
+            attn.sliding_window,
+            attn.logits_soft_cap,
         )
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,22 +111,38 @@ class LlamaAttention(nn.Module):
         # (in place) covers q and k
         heads = qkv.view(hidden.shape[0], h + 2 * kvh, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            heads[:, :h] = self.q_norm.forward_single(heads[:, :h])
-            heads[:, h : h + kvh] = self.k_norm.forward_single(heads[:, h : h + kvh])
+            self._qk_norm(heads)
         RotaryEmbedding.rotate_(heads, h + kvh, rope)
         q, k, v = heads.split(self.head_splits, 1)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
+    def _qk_norm(self, heads: torch.Tensor) -> None:
+        """Per-head norm of the q and k heads of heads [T, H + 2 KVH, D], in place: one C
+        pass over contiguous float32 heads (`pg_head_rms_norm`), else the norms' own
+        forward on each half."""
+        h, kvh, qn, kn = self.num_heads, self.num_kv_heads, self.q_norm, self.k_norm
+        lib = qn.kernels
+        if (lib is not None and heads.dtype == torch.float32 == qn.weight.dtype == kn.weight.dtype
+                and heads.stride(2) == 1 and heads.stride(1) == self.head_dim
+                and heads.device.type == "cpu"):
+            lib.pg_head_rms_norm(heads.data_ptr(), heads.stride(0), heads.shape[0], h, kvh,
+                                 self.head_dim, qn.weight.data_ptr(), kn.weight.data_ptr(),
+                                 qn.variance_epsilon)
+            return
+        heads[:, :h] = qn.forward_single(heads[:, :h])
+        heads[:, h : h + kvh] = kn.forward_single(heads[:, h : h + kvh])
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", hidden_act: str | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, quant_config,
                                          f"{prefix}.gate_up_proj")
-        self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"))
+        self.act_fn = get_act_and_mul(hidden_act or getattr(config, "hidden_act", "silu"))
         self.down_proj = Linear(inter, config.hidden_size, bias, quant_config,
                                 f"{prefix}.down_proj")
 
@@ -122,11 +157,12 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         backend: type,
         opts: LayerOptions,
+        attn: LayerAttention,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend, opts, quant_config,
+        self.self_attn = LlamaAttention(config, layer_idx, backend, opts, attn, quant_config,
                                         f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -146,64 +182,106 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
+    def fused_layer(self) -> FusedLayer:
+        """This layer as the one-region C stack runs it (models/fused_decode.py)."""
+        a, m = self.self_attn, self.mlp
+        return FusedLayer(self.input_layernorm, self.post_attention_layernorm, a.qkv_proj,
+                          a.o_proj, m.gate_up_proj, m.down_proj, a.attn, m.act_fn,
+                          q_norm=a.q_norm, k_norm=a.k_norm)
+
 
 class LlamaModel(nn.Module):
+    """Embedding, the decoder layers (`layer_cls`, one per entry of `layer_attention`)
+    and the final norm (`norm_cls`). Subclasses change how tokens are embedded (`embed`)
+    and which rope tables each layer gets (`rope_tables`)."""
+
     def __init__(self, config: Any, backend: type, opts: LayerOptions,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
+                 layer_attention: list[LayerAttention],
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model",
+                 layer_cls: type[nn.Module] = LlamaDecoderLayer,
+                 norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, quant_config,
                                       f"{prefix}.embed_tokens")
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, opts, quant_config, f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+            layer_cls(config, i, backend, opts, attn, quant_config, f"{prefix}.layers.{i}")
+            for i, attn in enumerate(layer_attention)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.fused_decode: FusedDecodeStack | None = None
         """All layers of a decode step in one C call (models/fused_decode.py), where the
         loaded weights and kernels allow it; made at the first forward."""
         self._fused_checked = False
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.forward(input_ids)
+
+    def layer_ropes(self) -> list[RotaryEmbedding]:
+        """Each layer's rope (one shared by all layers here)."""
+        return [self.rotary_emb] * len(self.layers)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> list[RopeTables]:
+        """Each layer's rope inputs for the step, made once per distinct rope."""
+        made: dict[int, RopeTables] = {}
+        tables = []
+        for rope in self.layer_ropes():
+            if id(rope) not in made:
+                made[id(rope)] = rope.tables(positions, dtype)
+            tables.append(made[id(rope)])
+        return tables
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens.forward(input_ids)
-        rope = self.rotary_emb.tables(positions, hidden.dtype)  # once for all layers
+        hidden = self.embed(input_ids)
+        ropes = self.rope_tables(positions, hidden.dtype)  # once per step
         if not self._fused_checked and not torch.compiler.is_compiling():
             self.fused_decode, self._fused_checked = FusedDecodeStack.build(self), True
         fused = None
         if self.fused_decode is not None and not torch.compiler.is_compiling():
-            fused = self.fused_decode.run(hidden, rope)
+            fused = self.fused_decode.run(hidden, ropes)
         if fused is not None:
             hidden, residual = fused
         else:
             residual: torch.Tensor | None = None
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes):
                 hidden, residual = layer.forward(rope, hidden, residual)
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """Causal LM head over LlamaModel. Families override `layer_options`."""
+    """Causal LM head over LlamaModel. Families override `layer_options`,
+    `layer_attention_of` (per-layer facts), `model_cls` and `gguf_family`."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+    gguf_family = GGUFFamily(permuted_qk=True)
+    """What llama.cpp's converter did to this family's tensors (weight_utils)."""
 
     def __init__(self, config: Any, attn_backend: type,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.quant_config = quant_config
-        self.model = LlamaModel(config, attn_backend, self.layer_options(config), quant_config)
+        self.layer_attention = self.layer_attention_of(config)
+        """Each layer's attention facts (the model runner reads the windows)."""
+        self.model = self.model_cls(config, attn_backend, self.layer_options(config),
+                                    self.layer_attention, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, quant_config,
                                   "lm_head")
-        self.sliding_window = self.get_sliding_window(config)
-        """Keys a query attends to, itself included (the model runner hands it to the
-        attention metadata builder); None = the whole context."""
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return LayerOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @classmethod
+    def layer_attention_of(cls, config: Any) -> list[LayerAttention]:
+        """One entry per layer: head_dim ** -0.5 and the family's one window."""
+        attn = LayerAttention(head_dim_of(config) ** -0.5, cls.get_sliding_window(config))
+        return [attn] * config.num_hidden_layers
 
     @classmethod
     def get_sliding_window(cls, config: Any) -> int | None:
