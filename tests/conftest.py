@@ -28,7 +28,7 @@ def default_model_path() -> str:
 def tiny_model(
     tmp_path_factory: pytest.TempPathFactory, default_model_path: str
 ) -> Callable[..., str]:
-    """`tiny_model("llama" | "mistral" | "qwen2" | "qwen3", **config_overrides) -> model dir`."""
+    """`tiny_model("llama" | "mistral" | "qwen2" | "qwen3" | "gemma2" | "gemma3", **config_overrides) -> model dir`."""
     from tests.utils import make_tiny_model
 
     def factory(family: str, **overrides: object) -> str:

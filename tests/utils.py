@@ -23,7 +23,10 @@ from pagellm.attention.backend import (
 )
 from pagellm.config import ModelConfig
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+"""Gemma 3's two rope settings, the global one scaled (as in the 4B and larger models)."""
 _TINY_CACHE: dict[str, str] = {}
 
 
@@ -33,7 +36,14 @@ def token_ids(n: int, offset: int = 13) -> list[int]:
 
 
 def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common: dict[str, Any] = dict(
         hidden_size=64,
@@ -57,6 +67,23 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
         cfg = Qwen2Config(**{**common, "rope_theta": 1000000.0, **overrides})
     elif family == "qwen3":  # head_dim deliberately != hidden / heads
         cfg = Qwen3Config(**{**common, "head_dim": 32, **overrides})
+    elif family in ("gemma2", "gemma3"):
+        # three layers, a window of 8 on all but the last: sliding and global layers both
+        # matter from 9 tokens on; query_pre_attn_scalar deliberately != head_dim
+        layers = overrides.pop("num_hidden_layers", 3)  # the last one global
+        gemma: dict[str, Any] = dict(
+            num_hidden_layers=layers, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+            pad_token_id=0,
+        )
+        if family == "gemma2":  # caps low enough to bend the random model's scores
+            gemma.update(attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            cfg = Gemma2Config(**{**common, **gemma, **overrides})
+        else:
+            cfg = Gemma3TextConfig(**{**common, **gemma, "rope_parameters": GEMMA3_ROPE, **overrides})
+        cfg.architectures = [f"{family.capitalize()}ForCausalLM"]
+        return cfg
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]

@@ -15,7 +15,7 @@ import torch
 
 from pagellm.attention import get_attn_backend
 from pagellm.kernels import load_kernels
-from pagellm.model_executor.layers.activation import SiluAndMul
+from pagellm.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.rotary_embedding import RopeParams, RotaryEmbedding
 from pagellm.model_executor.loader import get_model
@@ -88,6 +88,36 @@ def test_silu_and_mul_equals_silu_times_up(lib: Any, t: int, i: int, pad: int) -
     torch.testing.assert_close(got, SiluAndMul.forward_torch(x), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("t,i,pad", [(1, 1537, 0), (3, 7, 3), (2, 1, 0)])
+def test_gelu_tanh_and_mul_equals_torch_gelu_times_up(lib: Any, t: int, i: int, pad: int) -> None:
+    """Gemma's gate, 0.5 g (1 + tanh(u)) written as g / (1 + e^-2u): torch's
+    gelu(approximate="tanh") to a few ulp, the clamped ends included. Where torch's tanh
+    rounds to -1 (g below ~-9) it gives exactly 0; the exponential keeps the ~1e-6 tail."""
+    x = _rows(t, 2 * i + pad, 0, seed=6)[:, : 2 * i] * 4
+    x[0, :2] = torch.tensor([-60.0, 55.0])[: min(2, i)]
+    act = GeluAndMul("tanh")
+    act.kernels = lib
+    torch.testing.assert_close(act.forward(x), act.forward_torch(x), rtol=4e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("t,nq,nk,d,pad", [(1, 4, 1, 256, 0), (3, 5, 2, 10, 7)])
+def test_head_rms_norm_equals_per_head_norms(lib: Any, t: int, nq: int, nk: int, d: int,
+                                             pad: int) -> None:
+    """q heads normed by one weight, k heads by another, in place; v heads untouched."""
+    width = (nq + 2 * nk) * d
+    heads = _rows(t, width + pad, 0, seed=7)[:, :width].view(t, nq + 2 * nk, d)
+    qn, kn = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(_rows(1, d, 0, seed=8)[0])
+        kn.weight.copy_(_rows(1, d, 0, seed=9)[0])
+    want = heads.clone()
+    want[:, :nq], want[:, nq : nq + nk] = qn._norm(heads[:, :nq]), kn._norm(heads[:, nq : nq + nk])
+    lib.pg_head_rms_norm(heads.data_ptr(), heads.stride(0), t, nq, nk, d, qn.weight.data_ptr(),
+                         kn.weight.data_ptr(), 1e-6)
+    torch.testing.assert_close(heads, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(heads[:, nq + nk :], want[:, nq + nk :])
+
+
 class _CountingKernels:
     """The kernel library, noting which entry points were called, and how often."""
 
@@ -110,8 +140,9 @@ def _set_kernels(model: torch.nn.Module, lib: Any) -> None:
 
 @pytest.mark.parametrize(
     "family,overrides",
-    [("llama", {"hidden_size": 72, "intermediate_size": 97}), ("qwen3", {})],
-    ids=["llama-odd", "qwen3"],
+    [("llama", {"hidden_size": 72, "intermediate_size": 97}), ("qwen3", {}), ("gemma3", {}),
+     ("gemma2", {})],
+    ids=["llama-odd", "qwen3", "gemma3", "gemma2"],
 )
 def test_fused_logits_equal_eager_torch(
     tiny_model: Callable[..., str], family: str, overrides: dict
@@ -136,13 +167,12 @@ def test_fused_logits_equal_eager_torch(
         runner.add("b", [(i * 104729 + 7) % 49000 + 100 for i in range(8)])
         logits[name] = [runner.step(step) for step in steps]
     _set_kernels(model, lib)
-    assert {
-        "pg_add_rms_norm",
-        "pg_rope",
-        "pg_silu_and_mul",
-        "pg_write_kv",
-        "pg_paged_decode",
-    } <= counting.called
+    expected = {"pg_add_rms_norm", "pg_rope", "pg_write_kv"}
+    expected |= {"pg_gelu_tanh_and_mul"} if family.startswith("gemma") else {"pg_silu_and_mul"}
+    expected |= {"pg_head_rms_norm"} if family in ("qwen3", "gemma3") else set()
+    # Gemma 2 caps its scores: its decodes attend with torch ops, not pg_paged_decode
+    expected |= set() if family == "gemma2" else {"pg_paged_decode"}
+    assert expected <= counting.called
     for fused, eager in zip(logits["fused"], logits["eager"]):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
 
@@ -223,17 +253,17 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
             _close(f, m)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
 def test_fused_stack_attends_prompt_rows_like_sdpa(
     tiny_model: Callable[..., str], family: str
 ) -> None:
     """Prompt chunks through the one-region stack at split shapes (16-slot blocks, 256 /
-    768 wide, 2 threads), with and without a sliding window that cuts into them, beside
-    decodes of other lengths: logits equal the module path's (SDPA per chunk) within 1e-5,
-    and the decodes after them too."""
+    768 wide, 2 threads), with and without a sliding window that cuts into them (Gemma 3:
+    two views, sliding and global layers), beside decodes of other lengths: logits equal
+    the module path's (SDPA per chunk) within 1e-5, and the decodes after them too."""
     if load_kernels() is None:
         pytest.skip("no C compiler")
-    window = {"sliding_window": 24} if family == "mistral" else {}
+    window = {"sliding_window": 24} if family in ("mistral", "gemma3") else {}
     mc = make_model_config(tiny_model(
         family, hidden_size=256, intermediate_size=768, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, **window))  # fmt: skip
@@ -348,7 +378,7 @@ def test_fused_decode_stack_on_float32_weights(
 
 
 @pytest.mark.parametrize("rows", [6, 12])
-@pytest.mark.parametrize("weights", ["q4_k_m", "float32"])
+@pytest.mark.parametrize("weights", ["q4_k_m", "float32", "gemma3"])
 def test_fused_decode_stack_splits_every_kernel(
     tmp_path: Any, tiny_model: Callable[..., str], weights: str, rows: int
 ) -> None:
@@ -366,10 +396,12 @@ def test_fused_decode_stack_splits_every_kernel(
         path = str(tmp_path / "tiny-q4_k_m.gguf")
         write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=2)
         mc = make_model_config(path, quantization="gguf")
-    else:
+    else:  # float32 weights; Gemma 3: its extra norms, GELU, two windows of 24 and all
         mc = make_model_config(tiny_model(
-            "llama", hidden_size=256, intermediate_size=768, num_attention_heads=4,
-            num_key_value_heads=2, num_hidden_layers=2))
+            "llama" if weights == "float32" else "gemma3", hidden_size=256,
+            intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2 if weights == "float32" else 3,
+            **({} if weights == "float32" else {"sliding_window": 24})))
     model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
     names = [f"s{i}" for i in range(rows)]
     logits, fused_calls = {}, {}
@@ -404,6 +436,14 @@ def test_fused_decode_stack_splits_every_kernel(
             claim.value = 1
         for a, b in zip(static, logits["fused"]):
             assert torch.equal(a, b)
+
+
+def test_capped_scores_keep_the_module_path(tiny_model: Callable[..., str]) -> None:
+    """Gemma 2 caps attention scores, which the C stack does not: no stack is built."""
+    mc = make_model_config(tiny_model("gemma2"))
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    assert model.layer_attention[0].logits_soft_cap == 1.5
+    assert FusedDecodeStack.build(model.model) is None
 
 
 @pytest.mark.parametrize("spin_ns", [0, 100_000], ids=["sleeping", "spinning"])

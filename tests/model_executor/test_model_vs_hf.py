@@ -103,6 +103,9 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-untied": ("qwen3", {"tie_word_embeddings": False}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "gemma3-untied": ("gemma3", {"tie_word_embeddings": False}),
 }
 
 
