@@ -23,7 +23,8 @@ from pagellm.attention.backend import (
 )
 from pagellm.config import ModelConfig
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
+                 "phi3")
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
 """Gemma 3's two rope settings, the global one scaled (as in the 4B and larger models)."""
@@ -41,8 +42,11 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common: dict[str, Any] = dict(
@@ -84,6 +88,20 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
             cfg = Gemma3TextConfig(**{**common, **gemma, "rope_parameters": GEMMA3_ROPE, **overrides})
         cfg.architectures = [f"{family.capitalize()}ForCausalLM"]
         return cfg
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        # 8 experts of 32, top 2 (Qwen3: renormalised); the second layer dense
+        # (mlp_only_layers), Qwen2's shared expert of 48 behind its gate
+        moe: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   mlp_only_layers=[1], decoder_sparse_step=1)
+        if family == "qwen2_moe":
+            cfg = Qwen2MoeConfig(**{**common, **moe, "shared_expert_intermediate_size": 48,
+                                    "rope_theta": 1000000.0, **overrides})
+        else:
+            cfg = Qwen3MoeConfig(**{**common, **moe, "head_dim": 16, "norm_topk_prob": True,
+                                    **overrides})
+    elif family == "phi3":  # untied as Phi-3 (Phi-4-mini ties); no window unless overridden
+        cfg = Phi3Config(**{**common, "rope_theta": 10000.0, "sliding_window": None,
+                            "tie_word_embeddings": False, "pad_token_id": None, **overrides})
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]

@@ -1,4 +1,5 @@
-"""Random GGUF weights in any block type, and whole synthetic Llama GGUF files.
+"""Random GGUF weights in any block type, and whole synthetic Llama and Qwen3-MoE GGUF
+files.
 
 gguf's Python package can dequantize every type but quantize only a few, so random
 weights are written as random *blocks*: random quant bits with valid, small float16
@@ -7,6 +8,11 @@ speed benchmark needs. `write_llama_gguf` lays out a Llama model in llama.cpp's 
 (q/k rows permuted as llama.cpp's converter does) with a chosen type mix, e.g. Q4_K_M's:
 
     python -m pagellm.benchmarks.synthetic_gguf out.gguf --shape llama-3.2-1b --mix q4_k_m
+
+`write_qwen3_moe_gguf` does the same for a mixture-of-experts model in llama.cpp's
+`qwen3moe` layout (router `ffn_gate_inp`, experts stacked as 3-D `ffn_*_exps` tensors):
+
+    python -m pagellm.benchmarks.synthetic_gguf moe.gguf --shape qwen3-30b-a3b-32e
 """
 
 from __future__ import annotations
@@ -32,7 +38,14 @@ SHAPES: dict[str, dict[str, int]] = {
     # Llama-3.1-8B's shapes, the same replaced vocabulary (~4.5 GB in Q4_K_M)
     "llama-3.1-8b": dict(hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, vocab=49152),
     "tiny": dict(hidden=256, inter=768, layers=2, heads=4, kv_heads=2, vocab=512),
+    # Qwen3-30B-A3B's layer shapes (48 layers, head_dim 128, experts of 768, top-8) with 32
+    # of its 128 experts: ~4.6 GB in Q4_K_M, ~1.5 GB of weights read per token
+    "qwen3-30b-a3b-32e": dict(hidden=2048, inter=6144, layers=48, heads=32, kv_heads=4,
+                              head_dim=128, experts=32, top_k=8, expert_inter=768, vocab=49152),
+    "tiny-moe": dict(hidden=256, inter=768, layers=2, heads=4, kv_heads=2, head_dim=64,
+                     experts=8, top_k=2, expert_inter=256, vocab=512),
 }
+MOE_SHAPES = ("qwen3-30b-a3b-32e", "tiny-moe")
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator,
@@ -139,6 +152,77 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     w.close()
 
 
+def write_qwen3_moe_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed: int = 0,
+                         vocab_from: str | None = None) -> None:
+    """A Qwen3-MoE GGUF (llama.cpp's `qwen3moe`) with random weights of `shape` (keys of
+    a Llama shape plus head_dim, experts, top_k, expert_inter): per-head q/k norms, an F32
+    router, each projection of all experts as one 3-D tensor in `mix`'s types (Q4_K_M:
+    Q4_K, the down projections Q6_K where llama.cpp's recipe puts ffn_down at Q6_K)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    h, n_layers, heads, kv_heads = shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"]
+    d, n_exp, e_inter, vocab = shape["head_dim"], shape["experts"], shape["expert_inter"], shape["vocab"]
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_context_length(4096)
+    w.add_embedding_length(h)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(shape["inter"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1000000.0)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(shape["top_k"])
+    w.add_expert_feed_forward_length(e_inter)
+    if vocab_from is not None:
+        vocab = _copy_bpe_vocab(w, vocab_from)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"<t{i}>" for i in range(vocab)])
+        w.add_token_scores([0.0] * vocab)
+        w.add_token_types([1] * vocab)
+        w.add_token_merges([])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+
+    def type_of(name: str, layer: int) -> str:
+        return q4_k_m_type(name, layer, n_layers) if mix == "q4_k_m" else mix.upper()
+
+    def add(name: str, qtype: str, rows: int, cols: int, experts: int = 0) -> None:
+        data = random_blocks(qtype, rows * max(experts, 1), cols, rng)
+        if experts:
+            data = data.reshape(experts, rows, data.shape[1])
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    def add_f32(name: str, *dims: int, mean: float = 1.0) -> None:
+        w.add_tensor(name, (mean + 0.1 * rng.standard_normal(dims)).astype(np.float32))
+
+    add("token_embd.weight", type_of("token_embd", 0), vocab, h)
+    for i in range(n_layers):
+        b = f"blk.{i}"
+        add_f32(f"{b}.attn_norm.weight", h)
+        add_f32(f"{b}.ffn_norm.weight", h)
+        add_f32(f"{b}.attn_q_norm.weight", d)
+        add_f32(f"{b}.attn_k_norm.weight", d)
+        add(f"{b}.attn_q.weight", type_of("attn_q", i), heads * d, h)
+        add(f"{b}.attn_k.weight", type_of("attn_k", i), kv_heads * d, h)
+        add(f"{b}.attn_v.weight", type_of("attn_v", i), kv_heads * d, h)
+        add(f"{b}.attn_output.weight", type_of("attn_output", i), h, heads * d)
+        add_f32(f"{b}.ffn_gate_inp.weight", n_exp, h, mean=0.0)
+        add(f"{b}.ffn_gate_exps.weight", type_of("ffn_gate", i), e_inter, h, n_exp)
+        add(f"{b}.ffn_up_exps.weight", type_of("ffn_up", i), e_inter, h, n_exp)
+        add(f"{b}.ffn_down_exps.weight", type_of("ffn_down", i), h, e_inter, n_exp)
+    add_f32("output_norm.weight", h)
+    add("output.weight", type_of("output", 0), vocab, h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _copy_bpe_vocab(w: Any, source: str) -> int:
     """Tokens, types, merges and special ids of `source`'s BPE vocabulary into writer `w`;
     returns the vocabulary size."""
@@ -182,11 +266,12 @@ def main(argv: Any = None) -> None:
                         "pagellm's default model)")
     args = p.parse_args(argv)
     vocab_from = args.vocab_from
-    if vocab_from is None and args.shape != "tiny":
+    if vocab_from is None and args.shape not in ("tiny", "tiny-moe"):
         from pagellm.model_executor.loader import default_model_path
 
         vocab_from = default_model_path()
-    write_llama_gguf(args.path, SHAPES[args.shape], args.mix, args.seed, vocab_from=vocab_from)
+    write = write_qwen3_moe_gguf if args.shape in MOE_SHAPES else write_llama_gguf
+    write(args.path, SHAPES[args.shape], args.mix, args.seed, vocab_from=vocab_from)
     print(args.path)
 
 

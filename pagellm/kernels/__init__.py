@@ -12,8 +12,9 @@ the system's C compiler at first use and cached under
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
   cache write (attention/torch_backend.py)
 - `layer_ops.c`: the small per-layer ops in one pass each: residual add + RMSNorm,
-  per-head q/k RMSNorm, rotary embedding of q and k in place, SiLU- and GELU-and-mul
-  (layers/layernorm.py, rotary_embedding.py, activation.py, models/llama.py)
+  per-head q/k RMSNorm, rotary embedding of q and k in place, SiLU- and GELU-and-mul,
+  mixture-of-experts routing (layers/layernorm.py, rotary_embedding.py, activation.py,
+  models/llama.py, layers/fused_moe.py)
 - `sampling.c`: the next token of each logits row: greedy argmax, random draws with
   top-k / top-p, the repetition / frequency / presence penalties, and logprobs
   (sample/ops.py)
@@ -167,6 +168,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gelu_tanh_and_mul.restype = None
     lib.pg_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32]
     lib.pg_head_rms_norm.restype = None
+    lib.pg_moe_route.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.pg_moe_route.restype = None
     lib.pg_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.pg_argmax_rows.restype = None
     lib.pg_sample_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]

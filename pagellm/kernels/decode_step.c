@@ -19,6 +19,11 @@
  *                                         (or gelu_tanh(gate) * up)       pg_gelu_tanh_and_mul
  *   x = act @ Wdown.T (+ b)               [x = rms_norm(x) * w_post_ffn, in place]
  *
+ * A layer with experts (Qwen3-MoE) replaces the last three lines by its router and the
+ * experts it picks (moe_ffn): logits = normed @ Wrouter.T, each row's top k experts
+ * (pg_moe_route), then every expert any row picked, in expert order, over its rows:
+ * gate|up, silu-and-mul, down, each output row added to x weighted by its probability.
+ *
  * On return x holds the last layer's MLP output and res the residual stream, as the
  * module path leaves them for the final norm.
  *
@@ -71,6 +76,8 @@ void pg_gelu_tanh_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I
                                int64_t ldo, const pg_team *team);
 void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
                            const float *wq, const float *wk, float eps, const pg_team *team);
+void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
+                       float *probs, int64_t *ids, float *weights, const pg_team *team);
 int64_t pg_paged_decode_scratch(int64_t max_slots);
 void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, const float *k_store, const float *v_store, int64_t NB,
@@ -109,6 +116,11 @@ typedef struct {
     float scale;                           /* q.k scale */
     int64_t view;                          /* which of the step's attention views */
     int64_t act;                           /* PG_ACT_* */
+    /* experts (moe_experts > 0; gate_up and down unused): the router, and each
+     * projection of all experts stacked (expert e's rows follow expert e-1's) */
+    pg_linear router;
+    int64_t moe_experts, moe_top_k, moe_inter, moe_renorm;
+    pg_weight_group moe_gate, moe_up, moe_down; /* rows: one expert's; data: expert 0's */
 } pg_layer;
 
 /* The slots each row attends to, for the layers of one sliding window (or none): row t
@@ -129,6 +141,10 @@ typedef struct {
     float eps;
     const int64_t *positions, *slots, *q8_rows;
     pg_attn_view views[PG_MAX_VIEWS];
+    /* expert layers' scratch: router logits and probabilities (T x E), picks (T x k), the
+     * rows routed to one expert (in and out: T x hidden), their positions (T) */
+    float *moe_logits, *moe_probs, *moe_weights, *moe_x, *moe_y;
+    int64_t *moe_ids, *moe_rows, *moe_slots, *moe_q8;
     float *normed; /* hidden */
     float *qkv;    /* (H + 2 KVH) D */
     float *attn;   /* H D */
@@ -244,6 +260,77 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
     }
 }
 
+/* Whether row t of the step multiplies int8 activations (the step's q8 rows). */
+static int q8_row(const pg_step *s, int64_t t) {
+    if (s->q8_rows == NULL) return t < s->n_q8;
+    for (int64_t i = 0; i < s->n_q8; i++)
+        if (s->q8_rows[i] == t) return 1;
+    return 0;
+}
+
+/* x = the experts' weighted sum for s->normed's rows (see the top of the file). Every
+ * thread walks the experts in the same order; thread 0 gathers an expert's rows, the
+ * team runs its three kernels, and each thread adds its share of the rows to x. A row
+ * picks an expert at most once, so the rows of one expert are distinct. */
+static void moe_ffn(const pg_layer *L, const pg_step *s, const scratch *sc, float *x,
+                    const pg_team *team) {
+    const int64_t T = s->T, hid = s->hidden, E = L->moe_experts, K = L->moe_top_k,
+                  I = L->moe_inter;
+    linear(&L->router, s->normed, T, s->moe_logits, s, sc, team);
+    if (team->ith == 0) { /* a few rows: thread 0 alone, as a team of one */
+        const pg_team solo = {0, 1, team->barrier};
+        pg_moe_route_part(s->moe_logits, T, E, K, (int)L->moe_renorm, s->moe_probs, s->moe_ids,
+                          s->moe_weights, &solo);
+        memset(x, 0, (size_t)(T * hid) * sizeof(float));
+    }
+    pg_team_sync(team);
+    for (int64_t e = 0; e < E; e++) {
+        int64_t m = 0;
+        for (int64_t i = 0; i < T * K; i++) m += s->moe_ids[i] == e;
+        if (m == 0) continue; /* every thread sees the same picks */
+        pg_step ls = *s;      /* the expert's rows as a step of m rows */
+        ls.n_q8 = 0;
+        if (team->ith == 0) {
+            int64_t j = 0, all_q8 = 1;
+            for (int64_t i = 0; i < T * K; i++) {
+                if (s->moe_ids[i] != e) continue;
+                const int64_t t = i / K;
+                s->moe_rows[j] = t;
+                s->moe_slots[j] = i;
+                memcpy(s->moe_x + j * hid, s->normed + t * hid, (size_t)hid * sizeof(float));
+                j++;
+            }
+            int64_t n = 0;
+            for (j = 0; j < m; j++)
+                if (s->n_q8 > 0 && q8_row(s, s->moe_rows[j])) s->moe_q8[n++] = j;
+                else all_q8 = 0;
+            s->moe_q8[T] = n; /* the count, after the T slots of indices */
+            s->moe_q8[T + 1] = all_q8;
+        }
+        pg_team_sync(team);
+        ls.n_q8 = s->moe_q8[T];
+        ls.q8_rows = s->moe_q8[T + 1] ? NULL : s->moe_q8;
+        pg_weight_group gu[2] = {L->moe_gate, L->moe_up}, dn = L->moe_down;
+        gu[0].data += e * I * gu[0].row_bytes;
+        gu[1].data += e * I * gu[1].row_bytes;
+        dn.data += e * hid * dn.row_bytes;
+        gu[1].row_start = I;
+        const pg_linear lin_gu = {2, hid, 2 * I, gu, NULL}, lin_dn = {1, I, hid, &dn, NULL};
+        linear(&lin_gu, s->moe_x, m, s->gate_up, &ls, sc, team);
+        pg_silu_and_mul_part(s->gate_up, 2 * I, m, I, s->act, I, team);
+        pg_team_sync(team);
+        linear(&lin_dn, s->act, m, s->moe_y, &ls, sc, team);
+        int64_t j0, j1;
+        pg_share(m, team, &j0, &j1);
+        for (int64_t j = j0; j < j1; j++) {
+            float *xr = x + s->moe_rows[j] * hid;
+            const float *y = s->moe_y + j * hid, w = s->moe_weights[s->moe_slots[j]];
+            for (int64_t i = 0; i < hid; i++) xr[i] += y[i] * w;
+        }
+        pg_team_sync(team);
+    }
+}
+
 static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
                           float *res, const scratch *sc, const pg_team *team) {
     const int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
@@ -282,6 +369,10 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
         }
         pg_add_rms_norm_part(res, hid, x, hid, L->norm2, T, hid, s->eps, s->normed, hid, team);
         pg_team_sync(team);
+        if (L->moe_experts > 0) {
+            moe_ffn(L, s, sc, x, team);
+            continue;
+        }
         linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
         if (L->act == PG_ACT_GELU_TANH)
             pg_gelu_tanh_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter,
@@ -304,8 +395,14 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
                      float *res) {
     int64_t k_max = 1, xp_floats = 0;
     for (int64_t l = 0; l < n_layers; l++) {
-        const pg_linear *lin[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up,
-                                   &layers[l].down};
+        const pg_layer *L = &layers[l];
+        /* an expert layer's experts as one linear of each shape, for the checks */
+        const pg_weight_group moe_gu[2] = {L->moe_gate, L->moe_up};
+        const pg_linear gu = {2, s->hidden, 2 * L->moe_inter, moe_gu, NULL},
+                        dn = {1, L->moe_inter, s->hidden, &L->moe_down, NULL};
+        const int moe = L->moe_experts > 0;
+        const pg_linear *lin[4] = {&L->qkv, &L->o, moe ? &gu : &L->gate_up, moe ? &dn : &L->down};
+        if (moe && !linear_supported(&L->router)) return -1;
         for (int i = 0; i < 4; i++) {
             if (!linear_supported(lin[i])) return -1;
             if (lin[i]->n_in > k_max) k_max = lin[i]->n_in;

@@ -168,3 +168,46 @@ void pg_gelu_tanh_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, flo
     PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
                 pg_gelu_tanh_and_mul_part(x, ldx, T, I, out, ldo, &team));
 }
+
+/* Mixture-of-experts routing of T rows of E router logits: the softmax of each row (in
+ * float32: the max taken out, e^x, the sum, a division), then its k largest
+ * probabilities (k <= E; equal ones in expert order), renormalised to sum to 1 when
+ * `renorm` (Qwen3-MoE's norm_topk_prob). Writes ids [T, k] (int64, the largest first)
+ * and weights [T, k]. The module path and the one-region stack both route here, so a
+ * token picks the same experts on either. */
+void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
+                       float *probs, int64_t *ids, float *weights, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * E >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *x = logits + t * E;
+        float *p = probs + t * E, m = x[0], sum = 0.0f;
+        for (int64_t e = 1; e < E; e++) m = x[e] > m ? x[e] : m;
+        for (int64_t e = 0; e < E; e++) {
+            p[e] = expf(x[e] - m);
+            sum += p[e];
+        }
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        int64_t *id = ids + t * k;
+        float *w = weights + t * k, total = 0.0f;
+        for (int64_t j = 0; j < k; j++) { /* k is small (2-8): selection by scans */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            id[j] = best;
+            w[j] = p[best];
+            total += p[best];
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++) w[j] /= total;
+    }
+}
+
+void pg_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int renorm, float *probs,
+                  int64_t *ids, float *weights) {
+    PG_TEAM_RUN(T * E >= PG_ROWS_PARALLEL_MIN,
+                pg_moe_route_part(logits, T, E, k, renorm, probs, ids, weights, &team));
+}

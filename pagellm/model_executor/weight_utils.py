@@ -165,6 +165,29 @@ def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
+_GGUF_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Phi-3's LongRoPE divisors (rotary dims / 2 each), read into the config, not loaded."""
+
+
+def _gguf_longrope(path: str, reader: Any, arch: str) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE as HF's rope_scaling, where the file has llama.cpp's
+    rope_factors_long/short tensors (its converter writes no scaling type for them) with
+    rope.scaling.original_context_length and, where written, attn_factor."""
+    tensors = {t.name: t for t in reader.tensors if t.name in _GGUF_LONGROPE_TENSORS}
+    if len(tensors) != len(_GGUF_LONGROPE_TENSORS):
+        return None
+    long, short = (dequantize_gguf_tensor(path, tensors[n]).reshape(-1).tolist()
+                   for n in _GGUF_LONGROPE_TENSORS)
+    scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+    original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    attn_factor = gguf_field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = attn_factor
+    return scaling
+
+
 def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     """(HF architectures name, model_type, config kwargs) from GGUF metadata."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
@@ -178,7 +201,8 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
             "merge them into one file first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)"
         )
     kwargs: dict[str, Any] = {}
-    for gguf_key, hf_key in GGUF_CONFIG_MAPPING.get(arch, GGUF_CONFIG_MAPPING["llama"]).items():
+    mapping = GGUF_CONFIG_MAPPING.get(arch) or GGUF_CONFIG_MAPPING.get(model_type)
+    for gguf_key, hf_key in (mapping or GGUF_CONFIG_MAPPING["llama"]).items():
         value = gguf_field(reader, f"{arch}.{gguf_key}")
         if hf_key and value is not None:
             kwargs[hf_key] = value
@@ -195,11 +219,26 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # llama3 scaling as llama.cpp's converter stores it
         kwargs["rope_freq_factors"] = dequantize_gguf_tensor(path, freqs).reshape(-1).tolist()
+    longrope = _gguf_longrope(path, reader, arch)
+    if longrope is not None:
+        kwargs["rope_scaling"] = longrope
+    # rotary dims short of a head (Phi-4-mini: 96 of 128) where the mapping has no key
+    rope_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
+    heads = kwargs.get("num_attention_heads")
+    full = kwargs.get("head_dim") or (kwargs.get("hidden_size", 0) // heads if heads else 0)
+    if rope_dims and full and rope_dims < full:
+        kwargs["partial_rotary_factor"] = rope_dims / full
+    window = gguf_field(reader, f"{arch}.attention.sliding_window")
+    if window and "sliding_window" not in kwargs:  # Phi-3 (0: none, Phi-4-mini)
+        kwargs["sliding_window"] = window
     kwargs["tie_word_embeddings"] = "output.weight" not in names
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2
+    for key, hf_key in (("attn_logit_softcapping", "attn_logit_softcapping"),  # Gemma 2
+                        ("final_logit_softcapping", "final_logit_softcapping"),
+                        ("expert_feed_forward_length", "moe_intermediate_size"),  # MoE
+                        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
         value = gguf_field(reader, f"{arch}.{key}")
         if value is not None:
-            kwargs[key] = value
+            kwargs[hf_key] = value
     if arch == "gemma3" and "rope_scaling" in kwargs:
         # Gemma 3 scales only its global layers' rope, and max_position_embeddings is
         # already the scaled context: transformers' per-kind form says both
@@ -394,7 +433,7 @@ def _gguf_tensors(path: str, hf_config: Any) -> Iterator[tuple[str, Any, int | N
     for tensor in index.tensors:
         hf_name = _gguf_hf_name(tensor.name, family)
         if hf_name is None:
-            if tensor.name != "rope_freqs.weight":
+            if tensor.name != "rope_freqs.weight" and tensor.name not in _GGUF_LONGROPE_TENSORS:
                 raise ValueError(f"{path}: unknown GGUF tensor {tensor.name!r}")
             continue
         permuted = None
@@ -443,7 +482,11 @@ class GGUFTensor:
         self._tensor = tensor
         self.qtype = int(tensor.tensor_type)
         self.type_name = tensor.tensor_type.name
-        self.cols, self.rows = (int(d) for d in tensor.shape)
+        dims = [int(d) for d in tensor.shape]  # GGUF order: cols, rows[, experts]
+        self.experts = dims[2] if len(dims) == 3 else None
+        """A 3-D tensor (MoE experts stacked, [experts, rows, cols]) is seen as its
+        experts' rows one after another: rows = experts x rows of one."""
+        self.cols, self.rows = dims[0], dims[1] * (self.experts or 1)
         self.data: np.ndarray = tensor.data.reshape(self.rows, -1).view(np.uint8)
         self.row_bytes = self.data.shape[1]
         self.file_offset = int(tensor.data_offset)
@@ -465,18 +508,19 @@ class GGUFTensor:
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols] in HF row order (gguf's reference dequantization)."""
-        w = dequantize_gguf_tensor(self.path, self._tensor)
+        w = dequantize_gguf_tensor(self.path, self._tensor).reshape(self.rows, self.cols)
         if self.row_order is not None:
             w = w[self.row_order]
         return np.array(w, dtype=np.float32, copy=True)
 
 
 def gguf_quantized_weights_iterator(path: str, hf_config: Any) -> Iterator[tuple[str, Any]]:
-    """Yield (HF name, weight) for every tensor of a GGUF file: 2-D weights as
-    `GGUFTensor` (still in the file's blocks), 1-D ones (norms) as float32 tensors."""
+    """Yield (HF name, weight) for every tensor of a GGUF file: 2-D weights and 3-D
+    stacked experts as `GGUFTensor` (still in the file's blocks), 1-D ones (norms) as
+    float32 tensors."""
     family = gguf_family(hf_config)
     for hf_name, tensor, permuted in _gguf_tensors(path, hf_config):
-        if len(tensor.shape) == 2 and int(tensor.shape[1]) > 1:
+        if len(tensor.shape) == 3 or (len(tensor.shape) == 2 and int(tensor.shape[1]) > 1):
             yield hf_name, GGUFTensor(path, tensor, permuted)
         else:
             w = _float_tensor(path, tensor, hf_name, family)

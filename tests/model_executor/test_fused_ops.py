@@ -378,7 +378,7 @@ def test_fused_decode_stack_on_float32_weights(
 
 
 @pytest.mark.parametrize("rows", [6, 12])
-@pytest.mark.parametrize("weights", ["q4_k_m", "float32", "gemma3"])
+@pytest.mark.parametrize("weights", ["q4_k_m", "float32", "gemma3", "qwen3-moe"])
 def test_fused_decode_stack_splits_every_kernel(
     tmp_path: Any, tiny_model: Callable[..., str], weights: str, rows: int
 ) -> None:
@@ -386,7 +386,7 @@ def test_fused_decode_stack_splits_every_kernel(
     (contexts of 40-80 tokens in 16-slot blocks, 256 / 768 wide), and with more rows than
     pg_gemm takes (12: GGUF products through pg_gemm_batched's part): its logits equal the
     module path's, whose kernels each run in a region of their own, bit for bit."""
-    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf, write_qwen3_moe_gguf
 
     if load_kernels() is None:
         pytest.skip("no C compiler")
@@ -395,6 +395,10 @@ def test_fused_decode_stack_splits_every_kernel(
     if weights == "q4_k_m":
         path = str(tmp_path / "tiny-q4_k_m.gguf")
         write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=2)
+        mc = make_model_config(path, quantization="gguf")
+    elif weights == "qwen3-moe":  # experts picked per row: each expert over a few rows
+        path = str(tmp_path / "tiny-moe.gguf")
+        write_qwen3_moe_gguf(path, SHAPES["tiny-moe"], "q4_k_m", seed=2)
         mc = make_model_config(path, quantization="gguf")
     else:  # float32 weights; Gemma 3: its extra norms, GELU, two windows of 24 and all
         mc = make_model_config(tiny_model(
@@ -423,7 +427,9 @@ def test_fused_decode_stack_splits_every_kernel(
     assert fused_calls == {"fused": True, "modules": False}
     for fused, modules in zip(logits["fused"], logits["modules"]):
         assert torch.equal(fused, modules)
-    if weights == "q4_k_m" and stack.q8:  # the int8 products claimed in chunks or split
+    if weights == "qwen3-moe":  # the expert layers ran in the stack
+        assert all(stack._layers[i].moe_experts == 8 for i in range(stack.n_layers))
+    if weights in ("q4_k_m", "qwen3-moe") and stack.q8:  # int8 products claimed in chunks or
         claim = ctypes.c_int.in_dll(stack.lib, "pg_q8_claim")  # statically: the same sums
         runner = PagedRunner(model, mc, block_size=16)
         for i, seq in enumerate(names):

@@ -1,9 +1,8 @@
 """Gemma 2 / Gemma 3 beyond the tiny-model logits of test_model_vs_hf.py: a GGUF written
 from a tiny Gemma 3 the way llama.cpp lays it out (its tensor names, norms stored as
 1 + w, quantized blocks, the 5-sliding-1-global pattern and a scaled global rope the
-file cannot state otherwise), the real Gemma 3 270M Q4_K_M file against transformers,
-and the engine (batching, preemption, prefix caching, n > 1, logprobs) on interleaved
-sliding and global layers.
+file cannot state otherwise), and the real Gemma 3 270M Q4_K_M file against
+transformers. The engine on Gemma 3: test_family_engines.py.
 """
 
 from __future__ import annotations
@@ -12,12 +11,10 @@ import importlib.metadata
 import json
 import os
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
 from pagellm.model_executor.loader import get_model, load_tokenizer
 from tests.utils import PagedRunner, make_model_config, token_ids
@@ -157,88 +154,3 @@ def test_real_gemma3_270m_tokenizes_and_generates_as_transformers(gemma3_270m: s
     got = PagedRunner(model, mc).greedy("s", prompt, 48, banned=[hf.generation_config.eos_token_id])
     assert got == expected
     assert model.model.fused_decode is not None  # the decodes took the one-region stack
-
-
-# ------------------------------------------------------------------------- the engine
-
-
-def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
-    """HF's greedy choice recomputed over the whole sequence at every step."""
-    seq = list(prompt)
-    with torch.inference_mode():
-        for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-@pytest.fixture(scope="module")
-def gemma_engine(tiny_model: Callable[..., str]) -> tuple[LLM, Any]:
-    from transformers import AutoModelForCausalLM
-
-    model_dir = tiny_model("gemma3")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir, multiprocess_mode=False, dtype="float32", max_model_len=128, block_size=8)
-    yield llm, hf
-    llm.shutdown()
-
-
-PROMPTS = [token_ids(n, offset) for n, offset in ((30, 13), (12, 17), (21, 23), (5, 29))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def test_gemma3_engine_batches_as_transformers(gemma_engine: tuple[LLM, Any]) -> None:
-    """Four prompts of 5-30 tokens under a window of 8, batched: each request's 16 greedy
-    tokens are transformers' (two kinds of metadata per step: sliding and global)."""
-    llm, hf = gemma_engine
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
-    assert set(runner.attn_groups.builders) == {8, None}
-    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [_hf_greedy(hf, p, 16) for p in PROMPTS]
-
-
-def test_gemma3_engine_preempts_and_caches_prefixes(tiny_model: Callable[..., str],
-                                                    gemma_engine: tuple[LLM, Any],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Preempted and recomputed (a cache of 10 blocks of 8 for four requests), and read
-    again through a prefix-cache hit: the same tokens, every block back in the pool."""
-    llm, _ = gemma_engine
-    expected = [o.outputs[0].token_ids for o in
-                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)]
-    monkeypatch.setenv("PAGELLM_CHECK_INVARIANTS", "1")
-    small = LLM(tiny_model("gemma3"), multiprocess_mode=False, dtype="float32",
-                max_model_len=64, block_size=8, num_gpu_blocks_override=10, max_num_seqs=4)
-    try:
-        core = small.llm_engine.engine_core.engine_core
-        got = small.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == expected
-        assert core.scheduler.num_preemptions_total > 0
-        first, again = (small.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
-                        for _ in range(2))
-        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 24)
-        assert again.outputs[0].token_ids == expected[0]
-        pool = core.scheduler.kv_cache_manager.block_pool
-        pool.check_invariants()
-        assert pool.get_num_free_blocks() == pool.num_usable_blocks == 9
-    finally:
-        small.shutdown()
-
-
-def test_gemma3_engine_logprobs_and_n(gemma_engine: tuple[LLM, Any]) -> None:
-    """Greedy logprobs are transformers' log-softmax at each chosen token (the final
-    norm, tied head and no cap); n = 2 seeded samples repeat under the same seed."""
-    llm, hf = gemma_engine
-    prompt = PROMPTS[0]
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1),
-                       use_tqdm=False)[0].outputs[0]
-    seq = list(prompt)
-    for token, entry in zip(out.token_ids, out.logprobs):
-        with torch.inference_mode():
-            expected = torch.log_softmax(hf(torch.tensor([seq])).logits[0, -1], -1)[token]
-        assert entry[token].logprob == pytest.approx(float(expected), abs=1e-4)
-        seq.append(token)
-    sampled = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=8, ignore_eos=True)
-    first = llm.generate({"prompt_token_ids": prompt}, sampled, use_tqdm=False)[0]
-    second = llm.generate({"prompt_token_ids": prompt}, sampled, use_tqdm=False)[0]
-    assert len(first.outputs) == 2
-    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]

@@ -1,7 +1,7 @@
 """Model numerics against Hugging Face transformers on the same weights: greedy tokens of
 the default GGUF model, and last-position logits of tiny random models of every family
 (GQA, tied/untied embeddings, llama3 rope scaling, Mistral's sliding window, qkv bias, q/k
-norm, explicit head_dim).
+norm, explicit head_dim, Phi-3's fused checkpoint tensors, LongRoPE and partial rotary).
 """
 
 from __future__ import annotations
@@ -27,6 +27,18 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+def longrope(rotary_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE with distinct short and long divisors for each of the rotary_dim / 2
+    frequencies. The tiny cases set original_max_position_embeddings 256 of 512 (factor
+    2, attention factor sqrt(1 + ln 2 / ln 256)), above the tested lengths: there
+    transformers' choice (short factors while the sequence fits) and pagellm's split by
+    position (short below 256, long from 256 on) agree; test_phi3.py tests past it."""
+    half = rotary_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [1.5 + 0.9 * i for i in range(half)]}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +118,13 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "gemma3-untied": ("gemma3", {"tie_word_embeddings": False}),
+    "phi3": ("phi3", {"sliding_window": 48}),  # a window on every layer, as Phi-3-mini's 2047
+    "phi3-longrope": ("phi3", {"original_max_position_embeddings": 256, "rope_parameters": longrope(16)}),
+    # Phi-4-mini: a quarter of each head's dims pass through unrotated, longrope, tied
+    "phi4-partial": ("phi3", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True,
+                              "original_max_position_embeddings": 256, "rope_parameters": longrope(12)}),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 
 

@@ -5,8 +5,10 @@ method (`pagellm.model_executor.layers.quantization`): the layer owns the shapes
 `UnquantizedLinearMethod` keeps a weight in the model dtype and, on CPU in float32,
 re-lays it out once for oneDNN's matmul; products of a few rows read that same copy
 through the C kernels (`DenseF32Weight`). `MergedLinear` fuses several projections of the
-same input into one layer so a step runs one product (q|k|v, gate|up); checkpoints keep
-the parts separate and the loader hands each part to `weight_loader` with its shard index.
+same input into one layer so a step runs one product (q|k|v, gate|up); most checkpoints
+keep the parts separate and the loader hands each part to `weight_loader` with its shard
+index; a tensor stored fused already (Phi-3's qkv_proj, gate_up_proj) comes whole (shard
+None) and is cut into the parts' rows here (`split_rows`).
 """
 
 from __future__ import annotations
@@ -219,6 +221,22 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         return linear(x, layer.weight, bias)
 
 
+def split_rows(loaded: Any, sizes: list[int], name: str = "") -> list[Any]:
+    """A checkpoint tensor of a whole fused layer [sum(sizes), ...] cut into its parts'
+    rows, in order: torch views, or for a GGUF block tensor `GGUFRows` (a block never
+    spans two rows, so the parts keep the file's blocks; nothing is dequantized)."""
+    rows = int(loaded.shape[0])
+    if rows != sum(sizes):
+        raise ValueError(f"{name or 'linear'}: a fused tensor of {rows} rows; the parts "
+                         f"{sizes} take {sum(sizes)}")
+    if isinstance(loaded, torch.Tensor):
+        return list(loaded.split(sizes))
+    from pagellm.model_executor.layers.quantization.gguf import GGUFRows
+
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [GGUFRows(loaded, start, size) for start, size in zip(starts, sizes)]
+
+
 class Linear(nn.Module):
     """y = x @ W.T (+ b) for W [out, in], kept and multiplied by `quant_method`."""
 
@@ -237,8 +255,15 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, in_features, self.output_sizes, bias)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def weight_loader(self, param_name: str, shard: int, loaded: Any) -> None:
-        """Checkpoint tensor `loaded` into part `shard` of `param_name` ('weight' or 'bias')."""
+    def weight_loader(self, param_name: str, shard: int | None, loaded: Any) -> None:
+        """Checkpoint tensor `loaded` into part `shard` of `param_name` ('weight' or 'bias');
+        shard None: a tensor of the whole layer, which fills every part."""
+        if shard is None:
+            if len(self.output_sizes) > 1:
+                for i, part in enumerate(split_rows(loaded, self.output_sizes, self.prefix)):
+                    self.weight_loader(param_name, i, part)
+                return
+            shard = 0
         if param_name == "weight":
             self.quant_method.load_weight(self, shard, loaded)
             return

@@ -1,11 +1,14 @@
 """Rotary position embedding (NeoX/Hugging Face "rotate half" layout) with the rope
-scalings the supported families use: default, linear and llama3, plus per-frequency
-divisors as llama.cpp stores them (a GGUF's `rope_freqs` tensor, e.g. Llama 3.1).
+scalings the supported families use: default, linear, llama3 and Phi-3's longrope, plus
+per-frequency divisors as llama.cpp stores them (a GGUF's `rope_freqs` tensor, e.g.
+Llama 3.1), and partial rotary (`partial_rotary_factor`: only the first dims of each
+head turn, Phi-4-mini).
 
 Reads rope settings from either transformers 5 (`config.rope_parameters`) or the older
 `rope_theta` / `rope_scaling` attributes. cos/sin are precomputed per position in float32.
 float32 heads on the CPU are rotated in place by one C pass over q and k together
-(`pg_rope`, pagellm/kernels/layer_ops.c); `rotate_torch` is the composition it replaces.
+(`pg_rope`, pagellm/kernels/layer_ops.c); `rotate_torch` is the composition it replaces,
+and what partial rotary runs (the C pass turns whole heads).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.arch_config import context_length, rope_dict
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass
@@ -33,7 +36,8 @@ class RopeTables:
     """[T] int64, contiguous, each below the tables' max_position."""
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
-    """[max_position, D] each (`RotaryEmbedding._compute_tables`)."""
+    """[max_position, R] each (`RotaryEmbedding._compute_tables`; R the rotary dims,
+    the head dim D unless rotary is partial)."""
     dtype: torch.dtype
     """The activations' dtype."""
     kernels: Any
@@ -42,7 +46,7 @@ class RopeTables:
     _rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of the step's positions, each [T, 1, D] in `dtype`."""
+        """cos and signed sin of the step's positions, each [T, 1, R] in `dtype`."""
         if self._rows is None:
             cos = self.cos_cache.index_select(0, self.positions).to(self.dtype)
             sin = self.sin_cache.index_select(0, self.positions).to(self.dtype)
@@ -59,6 +63,9 @@ class RopeParams:
     freq_factors: tuple[float, ...] | None = None
     """Divisor of each inverse frequency (config `rope_freq_factors`, from a GGUF's
     `rope_freqs` tensor, where llama.cpp's converter bakes llama3 scaling)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dims that rotate (the first int(D * factor)); the rest pass
+    through unchanged (Phi-4-mini: 0.75)."""
 
 
 def get_rope_params(config: Any) -> RopeParams:
@@ -66,17 +73,39 @@ def get_rope_params(config: Any) -> RopeParams:
     params = rope_dict(config)
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in ("su", "yarn") and "long_factor" in params:
+        rope_type = "longrope"  # older Phi-3 configs' names for it (as transformers reads them)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     factors = getattr(config, "rope_freq_factors", None)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    scaling = _longrope_scaling(config, params) if rope_type == "longrope" else params
     return RopeParams(
         float(theta),
         rope_type,
-        params if rope_type != "default" else {},
+        scaling if rope_type != "default" else {},
         tuple(float(f) for f in factors) if factors is not None else None,
+        float(partial) if partial is not None else 1.0,
     )
+
+
+def _longrope_scaling(config: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The longrope dict with what transformers derives filled in: the pre-training
+    length `original_max_position_embeddings` (Phi-3 configs keep it beside the rope
+    dict), `factor` = max_position_embeddings / that length where not given, and the
+    cos/sin multiplier `attention_factor` = sqrt(1 + ln(factor) / ln(original)) (1 for
+    factor <= 1) where not given (transformers' _compute_longrope_parameters)."""
+    original = (params.get("original_max_position_embeddings")
+                or getattr(config, "original_max_position_embeddings", None)
+                or config.max_position_embeddings)  # fmt: skip
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**params, "original_max_position_embeddings": int(original), "factor": factor,
+            "attention_factor": float(attention)}
 
 
 def compute_inv_freq(rotary_dim: int, rope: RopeParams) -> torch.Tensor:
@@ -94,7 +123,25 @@ def compute_inv_freq(rotary_dim: int, rope: RopeParams) -> torch.Tensor:
         return inv_freq / rope.scaling["factor"]
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope.scaling)
+    if rope.rope_type == "longrope":
+        return longrope_inv_freqs(rotary_dim, rope)[0]
     return inv_freq
+
+
+def longrope_inv_freqs(rotary_dim: int, rope: RopeParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(short, long) inverse frequencies [rotary_dim / 2] of LongRoPE: the plain ones, each
+    divided by its entry of `short_factor` / `long_factor` (transformers' expression, for
+    the same float32 values)."""
+    out = []
+    for key in ("short_factor", "long_factor"):
+        factors = rope.scaling[key]
+        if len(factors) != rotary_dim // 2:
+            raise ValueError(f"longrope {key} has {len(factors)} entries; expected "
+                             f"{rotary_dim // 2} (rotary dims / 2)")
+        ext = torch.tensor(factors, dtype=torch.float32)
+        shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        out.append(1.0 / (ext * rope.theta**shape))
+    return out[0], out[1]
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -116,11 +163,26 @@ class RotaryEmbedding(nn.Module):
 
     `tables(positions)` runs once per forward and picks the rows of the step's tokens;
     each layer then rotates its q and k heads together with `rotate`.
+
+    LongRoPE: positions below `original_max_position_embeddings` take the short factors,
+    later ones the long factors (vLLM's split, both in one table), all times the
+    attention factor. transformers instead picks one set for the whole sequence: short
+    while the sequence fits in the original length, long for every position (its cache
+    recomputed) once it is longer. Both agree up to that length; past it, pagellm keeps
+    the short-factor keys of the first positions, so a token's cached k depends only on
+    its position (chunked prefill, prefix caching and preemption stay exact), and
+    transformers' logits differ.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope: RopeParams) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        """Leading dims of each head that rotate (head_dim unless rotary is partial)."""
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor {rope.partial_rotary_factor} gives "
+                             f"{self.rotary_dim} rotary dims of {head_dim}; expected an even "
+                             "number from 2 to head_dim")
         self.max_position = max_position
         self.rope = rope
         self.kernels = load_kernels()
@@ -130,19 +192,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
 
     def _compute_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[max_position, D] float32 each: cos of every (position, frequency), repeated for
-        both halves; sin likewise, negated in the first half.
+        """[max_position, R] float32 each (R = rotary_dim): cos of every (position,
+        frequency), repeated for both halves; sin likewise, negated in the first half.
 
-        "Rotate half" pairs x[i] with x[i + D/2]:
-            out[i]       = x[i] * cos - x[i + D/2] * sin
-            out[i + D/2] = x[i + D/2] * cos + x[i] * sin
-        which is x * cos_cache + roll(x, D/2) * sin_cache, the same products and sums
+        "Rotate half" pairs x[i] with x[i + R/2]:
+            out[i]       = x[i] * cos - x[i + R/2] * sin
+            out[i + R/2] = x[i + R/2] * cos + x[i] * sin
+        which is x * cos_cache + roll(x, R/2) * sin_cache, the same products and sums
         as Hugging Face's rotate_half form.
         """
-        inv_freq = compute_inv_freq(self.head_dim, self.rope)
-        positions = torch.arange(self.max_position, dtype=torch.float32, device=inv_freq.device)
-        freqs = positions[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        positions = torch.arange(self.max_position, dtype=torch.float32)
+        if self.rope.rope_type == "longrope":
+            short, long = longrope_inv_freqs(self.rotary_dim, self.rope)
+            split = self.rope.scaling["original_max_position_embeddings"]
+            freqs = torch.cat([positions[:split, None] * short[None, :],
+                               positions[split:, None] * long[None, :]])
+            scale = self.rope.scaling["attention_factor"]
+            cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        else:
+            inv_freq = compute_inv_freq(self.rotary_dim, self.rope)
+            freqs = positions[:, None] * inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
@@ -164,9 +234,14 @@ class RotaryEmbedding(nn.Module):
     def rotate_(heads: torch.Tensor, n: int, tables: RopeTables) -> None:
         """Rotates the first `n` heads of heads [T, heads, D] in place (q and k heads of a
         fused qkv output, v's after them untouched): one C pass over contiguous heads,
-        else `rotate_torch` and a copy back."""
+        else `rotate_torch` and a copy back. Partial rotary (tables narrower than D)
+        turns the first R dims of each head in torch and leaves the rest."""
         lib = tables.kernels
         t, _, d = heads.shape
+        r = tables.cos_cache.shape[-1]
+        if r != d:
+            heads[:, :n, :r] = RotaryEmbedding.rotate_torch(heads[:, :n, :r], tables)
+            return
         if lib is None or heads.dtype != torch.float32 or heads.stride(2) != 1 or heads.stride(1) != d:
             heads[:, :n] = RotaryEmbedding.rotate_torch(heads[:, :n], tables)
             return
@@ -175,7 +250,7 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate_torch(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x [T, heads, D] -> rotated copy, in torch ops."""
+        """x [T, heads, R] -> rotated copy, in torch ops."""
         cos, sin = tables.rows()
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 

@@ -57,8 +57,9 @@ class FusedLayer:
     """RMSNorm before the MLP (adds the attention block's output first)."""
     qkv: Linear
     o: Linear
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None
+    down: Linear | None
+    """The MLP's linears (None in a layer with experts)."""
     attn: Any
     """The layer's `Attention` (its impl, scale and sliding window)."""
     act: Any
@@ -68,6 +69,9 @@ class FusedLayer:
     post_attn: Any = None
     post_ffn: Any = None
     """Norms of the attention and MLP outputs (Gemma), or None."""
+    router: Linear | None = None
+    moe: Any = None
+    """A layer with experts: its router and FusedMoE (GGUF blocks), in place of the MLP."""
 
     def norms(self) -> list[Any]:
         return [n for n in (self.norm1, self.norm2, self.q_norm, self.k_norm, self.post_attn,
@@ -97,7 +101,9 @@ class _Layer(ctypes.Structure):  # pg_layer
                 ("gate_up", _Linear), ("down", _Linear), ("k_store", _ptr), ("v_store", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("post_attn", _ptr), ("post_ffn", _ptr),
                 ("cos_table", _ptr), ("sin_table", _ptr), ("scale", _f32), ("view", _i64),
-                ("act", _i64)]  # fmt: skip
+                ("act", _i64), ("router", _Linear), ("moe_experts", _i64), ("moe_top_k", _i64),
+                ("moe_inter", _i64), ("moe_renorm", _i64), ("moe_gate", _WeightGroup),
+                ("moe_up", _WeightGroup), ("moe_down", _WeightGroup)]  # fmt: skip
 
 
 class _View(ctypes.Structure):  # pg_attn_view
@@ -112,6 +118,8 @@ class _Step(ctypes.Structure):  # pg_step
         ("eps", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "q8_rows")],
         ("views", _View * MAX_VIEWS),
+        *[(n, _ptr) for n in ("moe_logits", "moe_probs", "moe_weights", "moe_x", "moe_y",
+                              "moe_ids", "moe_rows", "moe_slots", "moe_q8")],
         *[(n, _ptr) for n in ("normed", "qkv", "attn", "gate_up", "act")],
     ]  # fmt: skip
 
@@ -146,7 +154,26 @@ def _max_rows(layer: Linear) -> int:
 
 
 def _linears(part: FusedLayer) -> tuple[Linear, ...]:
-    return (part.qkv, part.o, part.gate_up, part.down)
+    """The layer's linears (an expert layer's router, not its experts)."""
+    return tuple(m for m in (part.qkv, part.o, part.gate_up, part.down, part.router)
+                 if m is not None)
+
+
+def _expert_group(group: Any) -> _WeightGroup:
+    """Expert 0's rows of one stacked projection; expert e's follow at e x rows."""
+    return _WeightGroup(group.qtype, group.row_bytes, 0, group.rows, group.ptr, 0, 0)
+
+
+def _moe_fields(part: FusedLayer, keep: list[Any]) -> dict[str, Any]:
+    """pg_layer's expert fields for a layer with experts (none for a plain layer)."""
+    moe = part.moe
+    if moe is None:
+        return {}
+    (gate, up), (down,) = moe.expert_groups[0]
+    return dict(router=_linear(part.router, keep), moe_experts=moe.num_experts,
+                moe_top_k=moe.top_k, moe_inter=moe.intermediate_size,
+                moe_renorm=int(moe.renormalize), moe_gate=_expert_group(gate),
+                moe_up=_expert_group(up), moe_down=_expert_group(down))
 
 
 def _linear(layer: Linear, keep: list[Any]) -> _Linear:
@@ -170,13 +197,18 @@ def _qualifies(parts: list[FusedLayer] | None, ropes: list[Any], lib: Any) -> bo
     or float32 weights the kernels can read), a gate the stack computes, float32 norms of
     one epsilon and rope tables, the torch backend's C attention without a score cap, at
     most MAX_VIEWS distinct windows."""
-    if lib is None or parts is None or any(r.cos_cache.dtype != torch.float32 for r in ropes):
-        return False
+    if lib is None or parts is None or any(r.cos_cache.dtype != torch.float32
+                                           or r.rotary_dim != r.head_dim for r in ropes):
+        return False  # (pg_rope turns whole heads: partial rotary keeps the module path)
     eps = parts[0].norm1.variance_epsilon
     if len({p.attn.sliding_window for p in parts}) > MAX_VIEWS:
         return False
     for p in parts:
         impl = p.attn.impl
+        moe = p.moe
+        if moe is not None and (not moe.gguf or not moe.expert_groups or p.router is None
+                                or not isinstance(p.act, SiluAndMul)):
+            return False
         if (
             _act_code(p.act) is None
             or not isinstance(impl, TorchAttentionImpl)
@@ -202,7 +234,12 @@ class FusedDecodeStack:
         attn = first.attn
         self.H, self.KVH, self.D = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = first.norm1.weight.shape[0]
-        self.inter = first.down.in_features
+        self.inter = max(p.moe.intermediate_size if p.moe is not None else p.down.in_features
+                         for p in parts)
+        """The widest MLP (or expert) of the layers, for the scratch rows."""
+        moes = [p.moe for p in parts if p.moe is not None]
+        n_experts = max((m.num_experts for m in moes), default=0)
+        top_k = max((m.top_k for m in moes), default=0)
         self.eps = first.norm1.variance_epsilon
         self.windows = list(dict.fromkeys(p.attn.sliding_window for p in parts))
         """The distinct sliding windows: layer i attends through view windows.index(w)."""
@@ -210,13 +247,16 @@ class FusedDecodeStack:
         self._keep: list[Any] = []
         self._layers = (_Layer * self.n_layers)()
         for i, (p, rope) in enumerate(zip(parts, ropes)):
+            mlp = ({} if p.moe is not None else
+                   dict(gate_up=_linear(p.gate_up, self._keep), down=_linear(p.down, self._keep)))
             self._layers[i] = _Layer(
-                p.norm1.weight.data_ptr(), p.norm2.weight.data_ptr(),
-                _linear(p.qkv, self._keep), _linear(p.o, self._keep),
-                _linear(p.gate_up, self._keep), _linear(p.down, self._keep), None, None,
-                _ptr_of(p.q_norm), _ptr_of(p.k_norm), _ptr_of(p.post_attn), _ptr_of(p.post_ffn),
-                rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), p.attn.impl.scale,
-                self.windows.index(p.attn.sliding_window), _act_code(p.act),
+                norm1=p.norm1.weight.data_ptr(), norm2=p.norm2.weight.data_ptr(),
+                qkv=_linear(p.qkv, self._keep), o=_linear(p.o, self._keep), **mlp,
+                q_norm=_ptr_of(p.q_norm), k_norm=_ptr_of(p.k_norm),
+                post_attn=_ptr_of(p.post_attn), post_ffn=_ptr_of(p.post_ffn),
+                cos_table=rope.cos_cache.data_ptr(), sin_table=rope.sin_cache.data_ptr(),
+                scale=p.attn.impl.scale, view=self.windows.index(p.attn.sliding_window),
+                act=_act_code(p.act), **_moe_fields(p, self._keep),
             )  # fmt: skip
         self._keep.append(ropes)  # the tables the layers point into
         self._caches: Any = None  # the kv_caches list whose pointers _layers holds
@@ -225,8 +265,13 @@ class FusedDecodeStack:
         path (above, the module path runs torch's products)."""
         rows = self.max_rows
         widths = {"normed": self.hidden, "qkv": (self.H + 2 * self.KVH) * self.D,
-                  "attn": self.H * self.D, "gate_up": 2 * self.inter, "act": self.inter}  # fmt: skip
-        self._scratch = {n: torch.empty(rows * w, dtype=torch.float32) for n, w in widths.items()}
+                  "attn": self.H * self.D, "gate_up": 2 * self.inter, "act": self.inter,
+                  "moe_logits": n_experts, "moe_probs": n_experts, "moe_weights": top_k,
+                  "moe_x": self.hidden if moes else 0, "moe_y": self.hidden if moes else 0}  # fmt: skip
+        self._scratch = {n: torch.empty(max(rows * w, 1), dtype=torch.float32)
+                         for n, w in widths.items()}
+        ints = {"moe_ids": rows * top_k, "moe_rows": rows, "moe_slots": rows, "moe_q8": rows + 2}
+        self._scratch.update({n: torch.empty(w, dtype=torch.int64) for n, w in ints.items()})
         self._step = _Step()
         for name, buf in self._scratch.items():
             setattr(self._step, name, buf.data_ptr())
@@ -263,11 +308,14 @@ class FusedDecodeStack:
     @classmethod
     def build(cls, model: Any) -> FusedDecodeStack | None:
         """The stack for `model` (a loaded LlamaModel or subclass), or None where it does
-        not apply (a layer without `fused_layer`, or parts the kernels do not take)."""
+        not apply (a layer without `fused_layer`, or whose `fused_layer()` is None, or
+        parts the kernels do not take)."""
         lib = load_kernels()
         layers = list(model.layers)
         parts = ([layer.fused_layer() for layer in layers]
                  if all(hasattr(layer, "fused_layer") for layer in layers) else None)
+        if parts is not None and any(p is None for p in parts):
+            parts = None  # a layer that says it has parts the stack does not run
         ropes = model.layer_ropes()
         return cls(model, parts, ropes, lib) if _qualifies(parts, ropes, lib) else None
 

@@ -31,7 +31,8 @@ from pagellm.model_executor.models.fused_decode import FusedDecodeStack, FusedLa
 from pagellm.model_executor.weight_utils import GGUFFamily
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
-# projection are copied into one part of the fused weight.
+# projection are copied into one part of the fused weight. A tensor named for the fused
+# module itself (Phi-3 stores qkv_proj, gate_up_proj) fills all its parts.
 STACKED_PARAMS: list[tuple[str, str, int]] = [
     ("qkv_proj", "q_proj", 0),
     ("qkv_proj", "k_proj", 1),
@@ -164,9 +165,14 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, backend, opts, attn, quant_config,
                                         f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config: Any, layer_idx: int, quant_config: QuantizationConfig | None,
+                 prefix: str) -> nn.Module:
+        """The feed-forward block (a family with experts makes its own here)."""
+        return LlamaMLP(config, quant_config, prefix)
 
     def forward(
         self, rope: RopeTables, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -316,22 +322,23 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Hand checkpoint tensors (Hugging Face names) to the layers that own them; the
-        parts of fused layers by shard index. Returns the names that were filled
-        (`layer.weight#i` for part i of a fused layer)."""
+        parts of fused layers by shard index, or all at once from a tensor stored fused.
+        Returns the names that were filled (`layer.weight#i` for part i of a fused layer)."""
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding
-            loaded.add(_load_one(self, name, tensor))
+            loaded.update(_load_one(self, name, tensor))
         return loaded
 
 
-def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
-    """Load one checkpoint tensor; returns the name it landed in."""
+def _load_one(model: nn.Module, name: str, tensor: Any) -> list[str]:
+    """Load one checkpoint tensor; returns the names it landed in: one, or every part of a
+    fused layer for a tensor of the whole layer (the layer splits it: shard None)."""
     module_name, _, param_name = name.rpartition(".")
-    shard = 0
+    shard: int | None = None
     for fused, part, index in STACKED_PARAMS:
         if module_name.endswith(f".{part}"):
             module_name, shard = module_name[: -len(part)] + fused, index
@@ -342,16 +349,20 @@ def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
         raise KeyError(f"unexpected checkpoint tensor {name!r}") from None
     loader = getattr(module, "weight_loader", None)
     if loader is not None:
-        # the name the layer expects: `weight` for a plain layer, `weight#i` for part i
+        # the names the layer expects: `weight` for a plain layer, `weight#i` for part i
         expected = module.expected_weights()
-        target = next((t for t in (param_name, f"{param_name}#{shard}") if t in expected), None)
-        if target is None:
+        if shard is not None:
+            targets = [t for t in (param_name, f"{param_name}#{shard}") if t in expected][:1]
+        else:  # the layer's own name: its one weight, or all its parts
+            targets = [t for t in expected if t.partition("#")[0] == param_name]
+            shard = 0 if len(targets) == 1 else None
+        if not targets:
             raise KeyError(f"unexpected checkpoint tensor {name!r}")
         try:
             loader(param_name, shard, tensor)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from e
-        return f"{module_name}.{target}"
+        return [f"{module_name}.{t}" for t in targets]
     param = getattr(module, param_name, None)
     if not isinstance(param, nn.Parameter):
         raise KeyError(f"unexpected checkpoint tensor {name!r}")
@@ -359,7 +370,7 @@ def _load_one(model: nn.Module, name: str, tensor: Any) -> str:
         raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(tensor.shape)}")
     with torch.no_grad():
         param.copy_(tensor)
-    return name
+    return [name]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -5,8 +5,10 @@ Storage. A weight used as it is (o_proj, down_proj, the embedding, an untied hea
 a view of the memory-mapped file. A fused layer (q|k|v, gate|up) gets one owned copy of
 its parts' rows, read from the file (the llama q/k row order restored: whole quantized
 rows move, nothing becomes float); parts of different types (Q4_K_M mixes Q4_K and Q6_K)
-stay separate groups, each multiplied into its own column range of the output. A type
-with no kernel is dequantized to float32 at load, with one log line naming the tensor.
+stay separate groups, each multiplied into its own column range of the output. A layer
+the file stores fused (Phi-3's attn_qkv, ffn_up) comes as row ranges of one tensor
+(`GGUFRows`), which together stay a view of the file. A type with no kernel is
+dequantized to float32 at load, with one log line naming the tensor.
 
 Shapes. Up to `DIRECT_MAX_ROWS` rows (decode steps) the kernel reads each weight row
 once and dots it with every input row (memory-bound: the weight's bytes are the cost).
@@ -61,7 +63,7 @@ SCRATCH_VALUES = 1 << 22
 F32_TYPE = 0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its data is an array
 class WeightGroup:
     """Consecutive output rows [row_start, row_start + rows) stored as one block matrix."""
 
@@ -156,6 +158,54 @@ def _as_block_matrix(layer_name: str, loaded: Any, rows: int, cols: int) -> tupl
     return loaded.qtype, loaded
 
 
+class GGUFRows:
+    """Rows [start, start + rows) of a GGUF block tensor (weight_utils.GGUFTensor, rows in
+    HF order): one part of a layer the file stores fused, still in the file's blocks
+    (`linear.split_rows`). It answers what the linear methods ask of a GGUFTensor."""
+
+    def __init__(self, source: Any, start: int, rows: int) -> None:
+        self.source, self.start, self.rows = source, start, rows
+        self.path, self.name = source.path, source.name
+        self.qtype, self.type_name = source.qtype, source.type_name
+        self.cols, self.row_bytes = source.cols, source.row_bytes
+        stop = start + rows
+        self.row_order = None if source.row_order is None else source.row_order[start:stop]
+        self.data: np.ndarray | None = source.data[start:stop] if self.row_order is None else None
+        """The rows as a view of the mapping (None where llama's q/k order was undone:
+        then the file's rows are not consecutive)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def read_rows(self) -> np.ndarray:
+        """The rows as an owned [rows, row_bytes] uint8 array, read from the file."""
+        if self.row_order is not None:
+            return self.source.read_rows()[self.start : self.start + self.rows]
+        raw = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.source.file_offset + self.start * self.row_bytes)
+            if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+                raise ValueError(f"{self.path}: tensor {self.name!r} is cut short (truncated file?)")
+        return raw
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols] (gguf's reference dequantization of the whole tensor)."""
+        return np.array(self.source.dequantize()[self.start : self.start + self.rows], copy=True)
+
+
+def _whole_source(members: list[Any]) -> np.ndarray | None:
+    """The mapping's rows of `members` where they are consecutive row ranges of one
+    tensor in file order (a layer the file stores fused), else None."""
+    if not all(isinstance(p, GGUFRows) and p.data is not None for p in members):
+        return None
+    first = members[0]
+    for a, b in zip(members, members[1:]):
+        if b.source is not first.source or b.start != a.start + a.rows:
+            return None
+    return first.source.data[first.start : members[-1].start + members[-1].rows]
+
+
 def _owned_rows(part: Any) -> np.ndarray:
     """uint8 [rows, row_bytes] owned rows of one part (a GGUFTensor or a float32 array)."""
     if isinstance(part, np.ndarray):
@@ -227,8 +277,12 @@ def int8_rows(m: int) -> slice | torch.Tensor | None:
 
 
 def _group_data(members: list[Any]) -> np.ndarray:
-    """One block matrix for parts of one type: a single part used as it is stays the
-    file's mapping; several (or reordered) rows become one owned copy."""
+    """One block matrix for parts of one type: a single part used as it is, or
+    consecutive rows of one fused tensor, stay the file's mapping; several (or
+    reordered) rows become one owned copy."""
+    whole = _whole_source(members)
+    if whole is not None:
+        return whole
     if len(members) == 1:
         part = members[0]
         if isinstance(part, np.ndarray):
