@@ -42,6 +42,7 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -102,6 +103,9 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
     elif family == "phi3":  # untied as Phi-3 (Phi-4-mini ties); no window unless overridden
         cfg = Phi3Config(**{**common, "rope_theta": 10000.0, "sliding_window": None,
                             "tie_word_embeddings": False, "pad_token_id": None, **overrides})
+    elif family == "mixtral":  # 8 experts of the config's intermediate size, top 2
+        cfg = MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8,
+                               "num_experts_per_tok": 2, "sliding_window": None, **overrides})
     else:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]

@@ -31,6 +31,8 @@ _MODELS: dict[str, _Entry] = {
     "Qwen3ForCausalLM": _Entry("qwen3", "Qwen3ForCausalLM", "qwen3", "qwen3"),
     "Qwen2MoeForCausalLM": _Entry("moe", "Qwen2MoeForCausalLM", "qwen2moe", "qwen2_moe"),
     "Qwen3MoeForCausalLM": _Entry("moe", "Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
+    # a Mixtral GGUF says `llama` (with llama.expert_count): weight_utils.gguf_architecture
+    "MixtralForCausalLM": _Entry("moe", "MixtralForCausalLM", None, "mixtral"),
     "Gemma2ForCausalLM": _Entry("gemma", "Gemma2ForCausalLM", "gemma2", "gemma2"),
     "Gemma3ForCausalLM": _Entry("gemma", "Gemma3ForCausalLM", "gemma3", "gemma3_text"),
     "Phi3ForCausalLM": _Entry("phi3", "Phi3ForCausalLM", "phi3", "phi3"),

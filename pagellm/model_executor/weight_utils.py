@@ -140,6 +140,8 @@ def gguf_architecture(path: str) -> tuple[str, str, str]:
             f"{path}: unsupported GGUF architecture {arch!r}; supported: "
             f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
+    if arch == "llama" and (gguf_field(open_gguf(path), "llama.expert_count") or 0) > 0:
+        return arch, "MixtralForCausalLM", "mixtral"  # llama.cpp files Mixtral under llama
     return (arch, *GGUF_ARCHITECTURES[arch])
 
 
@@ -234,7 +236,9 @@ def gguf_config_kwargs(path: str) -> tuple[str, str, dict[str, Any]]:
     kwargs["tie_word_embeddings"] = "output.weight" not in names
     for key, hf_key in (("attn_logit_softcapping", "attn_logit_softcapping"),  # Gemma 2
                         ("final_logit_softcapping", "final_logit_softcapping"),
-                        ("expert_feed_forward_length", "moe_intermediate_size"),  # MoE
+                        ("expert_count", "num_experts"),  # MoE (Mixtral's llama files too)
+                        ("expert_used_count", "num_experts_per_tok"),
+                        ("expert_feed_forward_length", "moe_intermediate_size"),
                         ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
         value = gguf_field(reader, f"{arch}.{key}")
         if value is not None:

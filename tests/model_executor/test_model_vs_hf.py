@@ -125,6 +125,8 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
                               "original_max_position_embeddings": 256, "rope_parameters": longrope(12)}),
     "qwen2-moe": ("qwen2_moe", {}),
     "qwen3-moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "mixtral-window": ("mixtral", {"sliding_window": 8}),
 }
 
 

@@ -1,5 +1,6 @@
 """Mixture-of-experts GGUF files (Qwen3-MoE in llama.cpp's `qwen3moe` layout: a router
-per layer, each projection of all experts one 3-D tensor): logits against transformers
+per layer, each projection of all experts one 3-D tensor; Mixtral under `llama`): logits
+against transformers
 on the checkpoint holding the blocks' values, the experts kept in their blocks (views of
 the file, no float copy), an expert type without a kernel dequantized with one log line,
 and a synthetic file's int8 decodes batched as they run alone. The engine on a tiny
@@ -24,33 +25,36 @@ from pagellm.model_executor.loader import get_model
 from tests.utils import PagedRunner, make_model_config, token_ids
 
 
-def _write_qwen3_moe_gguf(model_dir: str, out: str, expert_type: str) -> dict[str, torch.Tensor]:
-    """The tiny HF Qwen3-MoE as llama.cpp's converter writes it (GGUF names, experts
+def _write_moe_gguf(model_dir: str, out: str, expert_type: str,
+                    arch: str = "qwen3moe") -> dict[str, torch.Tensor]:
+    """The tiny HF Qwen3-MoE (arch "qwen3moe") or Mixtral ("llama": q/k rows permuted,
+    `llama.expert_count`) as llama.cpp's converter writes it (GGUF names, experts
     stacked [E, rows, cols] in `expert_type` blocks, other weights Q8_0, the router and
-    norms F32). Returns the HF state dict holding each quantized weight's dequantized
-    values (the reference)."""
+    norms F32). Returns the state dict (Qwen's module names) holding each quantized
+    weight's dequantized values (the reference)."""
     import gguf
     from safetensors.numpy import load_file
 
     from pagellm.benchmarks.synthetic_gguf import random_blocks
     from pagellm.model_executor import weight_utils
-    from pagellm.model_executor.models.moe import _GGUF_LAYER_NAMES
+    from pagellm.model_executor.models.moe import _GGUF_LAYER_NAMES, _MIXTRAL_NAMES
 
     cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
     n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
-    w = gguf.GGUFWriter(out, "qwen3moe")
-    for key, value in {"block_count": cfg["num_hidden_layers"],
-                       "context_length": cfg["max_position_embeddings"],
-                       "embedding_length": cfg["hidden_size"],
-                       "feed_forward_length": cfg["intermediate_size"],
-                       "attention.head_count": cfg["num_attention_heads"],
-                       "attention.head_count_kv": cfg["num_key_value_heads"],
-                       "attention.key_length": cfg["head_dim"],
-                       "expert_count": n_exp, "expert_used_count": cfg["num_experts_per_tok"],
-                       "expert_feed_forward_length": cfg["moe_intermediate_size"]}.items():  # fmt: skip
-        w.add_uint32(f"qwen3moe.{key}", value)
-    w.add_float32("qwen3moe.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_float32("qwen3moe.rope.freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(out, arch)
+    keys = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+            "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+            "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+            "expert_count": n_exp, "expert_used_count": cfg["num_experts_per_tok"]}
+    if arch == "qwen3moe":
+        keys.update({"attention.key_length": cfg["head_dim"],
+                     "expert_feed_forward_length": cfg["moe_intermediate_size"]})
+    for key, value in keys.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    permuted = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
     layer_names = {hf: g for g, hf in _GGUF_LAYER_NAMES.items()}
     global_names = {hf: g for g, hf in weight_utils._GGUF_GLOBAL_NAMES.items()}
     rng = np.random.default_rng(3)
@@ -58,6 +62,8 @@ def _write_qwen3_moe_gguf(model_dir: str, out: str, expert_type: str) -> dict[st
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
     stacked: dict[tuple[str, str], list[np.ndarray]] = {}
     for name, t in tensors.items():
+        for old, new in _MIXTRAL_NAMES.items():
+            name = name.replace(old, new) if ".block_sparse_moe." in name or ".mlp.experts." in name else name
         stem, suffix = name.rsplit(".", 1)
         t = np.ascontiguousarray(t, dtype=np.float32)
         if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.PROJ.weight
@@ -73,9 +79,14 @@ def _write_qwen3_moe_gguf(model_dir: str, out: str, expert_type: str) -> dict[st
             w.add_tensor(gguf_name, t)
             reference[name] = torch.from_numpy(t)
             continue
-        blocks = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        reference[name] = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).copy())
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        reference[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t, q8), q8).copy())
+        n_head = permuted.get(gguf_name.split(".")[2]) if gguf_name.startswith("blk.") else None
+        if n_head:  # llama.cpp's q/k rows: [head, 2, pair] -> [head, pair, 2]
+            pair = t.shape[0] // n_head // 2
+            t = np.ascontiguousarray(t.reshape(n_head, 2, pair, -1).swapaxes(1, 2).reshape(t.shape))
+        blocks = gguf.quants.quantize(t, q8)
+        w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=q8)
     kind = gguf.GGMLQuantizationType[expert_type]
     for (layer, proj), experts in stacked.items():
         t = np.stack(experts)  # [E, rows, cols]
@@ -130,7 +141,7 @@ def test_qwen3_moe_gguf_matches_transformers(tiny_model: Callable[..., str], tmp
     prompt equal transformers' on the blocks' values."""
     model_dir = tiny_model("qwen3_moe", mlp_only_layers=[])
     path = str(tmp_path / "tiny-qwen3moe.gguf")
-    reference = _write_qwen3_moe_gguf(model_dir, path, "Q8_0")
+    reference = _write_moe_gguf(model_dir, path, "Q8_0")
     mc = make_model_config(path, quantization=quantization, gguf_activations="float32")
     assert mc.architecture == "Qwen3MoeForCausalLM"
     assert (mc.hf_config.num_experts, mc.hf_config.num_experts_per_tok,
@@ -148,13 +159,33 @@ def test_qwen3_moe_gguf_matches_transformers(tiny_model: Callable[..., str], tmp
     torch.testing.assert_close(logits, _hf_logits(model_dir, reference, prompt), atol=1e-4, rtol=0)
 
 
+def test_mixtral_gguf_under_the_llama_architecture_matches_transformers(
+        tiny_model: Callable[..., str], tmp_path) -> None:
+    """llama.cpp files Mixtral as `llama` with `llama.expert_count`: read as Mixtral (8
+    experts, top 2 renormalised, q/k rows permuted back), on the blocks with float32
+    activations, the logits equal transformers' on the blocks' values."""
+    model_dir = tiny_model("mixtral")
+    path = str(tmp_path / "tiny-mixtral.gguf")
+    reference = _write_moe_gguf(model_dir, path, "Q8_0", arch="llama")
+    mc = make_model_config(path, quantization="gguf", gguf_activations="float32")
+    assert (mc.architecture, mc.hf_config.num_experts, mc.hf_config.num_experts_per_tok) == (
+        "MixtralForCausalLM", 8, 2)
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    prompt = token_ids(40)
+    runner = PagedRunner(model, mc)
+    runner.add("s", prompt)
+    logits = runner.step([("s", len(prompt))])[0]
+    torch.testing.assert_close(logits, _hf_logits(model_dir, reference, prompt), atol=1e-4, rtol=0)
+    assert model.model.fused_decode is not None  # its experts run in the one-region stack
+
+
 def test_expert_type_without_a_kernel_is_dequantized_with_one_log_line(
         tiny_model: Callable[..., str], tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     """IQ4_NL has no CPU kernel here: its expert tensors become float32 at load, said once,
     and the logits still equal transformers' on the blocks' values."""
     model_dir = tiny_model("qwen3_moe", mlp_only_layers=[])
     path = str(tmp_path / "tiny-qwen3moe-iq4nl.gguf")
-    reference = _write_qwen3_moe_gguf(model_dir, path, "IQ4_NL")
+    reference = _write_moe_gguf(model_dir, path, "IQ4_NL")
     mc = make_model_config(path, quantization="gguf", gguf_activations="float32")
     root = logging.getLogger("pagellm")  # (it does not propagate to the root logger)
     root.addHandler(caplog.handler)

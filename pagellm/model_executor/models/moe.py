@@ -1,10 +1,12 @@
-"""Qwen2-MoE and Qwen3-MoE: the Qwen2 / Qwen3 attention with a mixture-of-experts
-feed-forward (layers/fused_moe.py) in the layers that have one.
+"""Qwen2-MoE, Qwen3-MoE and Mixtral: the Qwen2 / Qwen3 / Llama attention with a
+mixture-of-experts feed-forward (layers/fused_moe.py) in the layers that have one.
 
 - `mlp.gate`: the router, a [num_experts, hidden] linear; each token takes the top
   `num_experts_per_tok` experts by softmax probability (Qwen3-MoE renormalises them,
   `norm_topk_prob`);
-- `mlp.experts`: SiLU-gated MLPs of `moe_intermediate_size`;
+- `mlp.experts`: SiLU-gated MLPs of `moe_intermediate_size` (Mixtral: `intermediate_size`;
+  its checkpoints name the block `block_sparse_moe` and the projections w1 / w3 / w2, and
+  it always renormalises its top 2);
 - Qwen2-MoE also runs a shared expert on every token, scaled by
   sigmoid(`shared_expert_gate`(x)).
 Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step`, keep a dense MLP.
@@ -32,6 +34,7 @@ from pagellm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    MistralForCausalLM,
 )
 from pagellm.model_executor.weight_utils import LLAMA_GGUF_LAYER_NAMES, GGUFFamily
 
@@ -59,9 +62,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.gate = Linear(h, num_experts_of(config), False, quant_config, f"{prefix}.gate")
-        self.experts = FusedMoE(num_experts_of(config), config.num_experts_per_tok, h,
-                                config.moe_intermediate_size, renormalize, quant_config,
-                                f"{prefix}.experts")
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.experts = FusedMoE(num_experts_of(config), config.num_experts_per_tok, h, inter,
+                                renormalize, quant_config, f"{prefix}.experts")
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert:
             shared = dict(vars(config), intermediate_size=config.shared_expert_intermediate_size)
@@ -84,9 +87,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
                   and (layer_idx + 1) % (getattr(config, "decoder_sparse_step", 1) or 1) == 0)
         if not sparse:
             return LlamaMLP(config, quant_config, prefix)
-        qwen2 = str(getattr(config, "model_type", "")).startswith("qwen2")
-        return SparseMoeBlock(config, quant_config, prefix,
-                              renormalize=bool(getattr(config, "norm_topk_prob", not qwen2)),
+        model_type = str(getattr(config, "model_type", ""))
+        qwen2 = model_type.startswith("qwen2")
+        renormalize = model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", not qwen2))
+        return SparseMoeBlock(config, quant_config, prefix, renormalize=renormalize,
                               shared_expert=qwen2 and bool(getattr(config, "shared_expert_intermediate_size", 0)))
 
     def fused_layer(self) -> FusedLayer | None:
@@ -150,3 +154,31 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     def layer_options(cls, config: Any) -> LayerOptions:
         return LayerOptions(qkv_bias=True, o_bias=False, qk_norm=False)
 
+
+
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+                  ".w2.": ".down_proj."}
+
+
+class MixtralForCausalLM(Qwen3MoeForCausalLM):
+    """Mixtral: Llama's attention (llama.cpp's converter permutes its q/k rows; its GGUF
+    architecture is `llama` with `llama.expert_count`), 8 experts, top 2 renormalised,
+    every layer sparse; Mistral's optional sliding window."""
+
+    gguf_family = GGUFFamily(layer_names=_GGUF_LAYER_NAMES, permuted_qk=True)
+
+    @classmethod
+    def layer_options(cls, config: Any) -> LayerOptions:
+        return LayerOptions(qkv_bias=False, o_bias=False, qk_norm=False)
+
+    get_sliding_window = MistralForCausalLM.get_sliding_window
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        def renamed() -> Iterable[tuple[str, Any]]:
+            for name, tensor in weights:
+                if ".block_sparse_moe." in name:
+                    for old, new in _MIXTRAL_NAMES.items():
+                        name = name.replace(old, new)
+                yield name, tensor
+
+        return super().load_weights(renamed())
