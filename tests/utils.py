@@ -48,6 +48,7 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
         Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     common: dict[str, Any] = dict(
@@ -103,6 +104,9 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
     elif family == "phi3":  # untied as Phi-3 (Phi-4-mini ties); no window unless overridden
         cfg = Phi3Config(**{**common, "rope_theta": 10000.0, "sliding_window": None,
                             "tie_word_embeddings": False, "pad_token_id": None, **overrides})
+    elif family == "smollm3":  # four layers: the last without rope
+        cfg = SmolLM3Config(**{**common, "num_hidden_layers": 4, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0}, "pad_token_id": None, **overrides})
     elif family == "mixtral":  # 8 experts of the config's intermediate size, top 2
         cfg = MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8,
                                "num_experts_per_tok": 2, "sliding_window": None, **overrides})

@@ -9,7 +9,7 @@
  *                                          step's n_q8 decode rows through pg_gemm_q8
  *                                          (x rounded to int8 once per linear)
  *   [q, k heads rms-normed in place]                                      pg_head_rms_norm
- *   rotate q|k heads of qkv in place (the layer's rope tables)            pg_rope
+ *   [rotate q|k heads of qkv in place (the layer's rope tables)]          pg_rope
  *   k, v heads -> this layer's paged cache                                pg_write_kv
  *   attn = decode attention of the q heads over the cache (the layer's    pg_paged_decode
  *          view: its window's slots, and its scale)
@@ -112,7 +112,7 @@ typedef struct {
     float *k_store, *v_store; /* K [KVH, NB, D, bs], V [KVH, NB, bs, D] */
     const float *q_norm, *k_norm;          /* per-head norm weights [D], or NULL */
     const float *post_attn, *post_ffn;     /* norms of the sub-blocks' outputs, or NULL */
-    const float *cos_table, *sin_table;    /* this layer's rope tables [max_pos, D] */
+    const float *cos_table, *sin_table;    /* this layer's rope tables [max_pos, D], or NULL */
     float scale;                           /* q.k scale */
     int64_t view;                          /* which of the step's attention views */
     int64_t act;                           /* PG_ACT_* */
@@ -350,9 +350,11 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
                                   s->eps, team);
             pg_team_sync(team);
         }
-        pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, L->cos_table,
-                     L->sin_table, team);
-        pg_team_sync(team);
+        if (L->cos_table != NULL) { /* NULL: a layer without rope (SmolLM3) */
+            pg_rope_part(s->qkv, qkv_w, T, s->H + s->KVH, s->D, s->positions, L->cos_table,
+                         L->sin_table, team);
+            pg_team_sync(team);
+        }
         const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
         pg_write_kv_part(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store,
                          s->NB, s->bs, s->slots, team);

@@ -33,6 +33,7 @@ _MODELS: dict[str, _Entry] = {
     "Qwen3MoeForCausalLM": _Entry("moe", "Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
     # a Mixtral GGUF says `llama` (with llama.expert_count): weight_utils.gguf_architecture
     "MixtralForCausalLM": _Entry("moe", "MixtralForCausalLM", None, "mixtral"),
+    "SmolLM3ForCausalLM": _Entry("smollm3", "SmolLM3ForCausalLM", "smollm3", "smollm3"),
     "Gemma2ForCausalLM": _Entry("gemma", "Gemma2ForCausalLM", "gemma2", "gemma2"),
     "Gemma3ForCausalLM": _Entry("gemma", "Gemma3ForCausalLM", "gemma3", "gemma3_text"),
     "Phi3ForCausalLM": _Entry("phi3", "Phi3ForCausalLM", "phi3", "phi3"),

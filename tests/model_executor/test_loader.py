@@ -107,7 +107,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(
         ValueError, match=f"{path}: unsupported GGUF architecture 'gpt2'; supported: "
-                          "gemma2, gemma3, llama, mistral, phi3, qwen2, qwen2moe, qwen3, qwen3moe$"
+                          "gemma2, gemma3, llama, mistral, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3$"
     ):
         load_hf_config(path)
 

@@ -127,6 +127,8 @@ TINY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": ("qwen3_moe", {}),
     "mixtral": ("mixtral", {}),
     "mixtral-window": ("mixtral", {"sliding_window": 8}),
+    "smollm3": ("smollm3", {}),
+    "smollm3-window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),
 }
 
 
@@ -225,7 +227,7 @@ def _llama_cpp_freq_factors(head_dim: int, rope: dict[str, Any]) -> list[float]:
 
 
 def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float] | None,
-                      metadata: dict[str, Any] | None = None) -> str:
+                      metadata: dict[str, Any] | None = None, arch: str = "llama") -> str:
     """The tiny HF Llama as a float32 GGUF the way llama.cpp lays it out: GGUF tensor
     names, q/k rows permuted to interleaved pairs, llama3 rope scaling only as
     `rope_freqs`; `metadata` adds keys (str, float or int values)."""
@@ -239,16 +241,18 @@ def _write_llama_gguf(model_dir: str, out: str, freq_factors: list[float] | None
 
     cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(out, "llama")
+    w = gguf.GGUFWriter(out, arch)
     for key, value in {"block_count": cfg["num_hidden_layers"],
                        "context_length": cfg["max_position_embeddings"],
                        "embedding_length": cfg["hidden_size"],
                        "feed_forward_length": cfg["intermediate_size"],
                        "attention.head_count": heads, "attention.head_count_kv": kv_heads,
                        "vocab_size": cfg["vocab_size"]}.items():  # fmt: skip
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    w.add_float32("llama.rope.freq_base", LLAMA3_ROPE["rope_theta"])
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_float32(f"{arch}.rope.freq_base", LLAMA3_ROPE["rope_theta"] if arch == "llama"
+                  else rope.get("rope_theta", 10000.0))
     for key, value in (metadata or {}).items():
         {str: w.add_string, float: w.add_float32, int: w.add_uint32}[type(value)](key, value)
     layer_names = {hf: g for g, hf in weight_utils.LLAMA_GGUF_LAYER_NAMES.items()}
@@ -297,6 +301,33 @@ def test_gguf_rope_freqs_apply_llama3_scaling(tiny_model: Callable[..., str], tm
     runner.add("s", prompt)
     logits = runner.step([("s", len(prompt))])
     torch.testing.assert_close(logits[0], _hf_last_logits(model_dir, prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_smollm3_gguf_leaves_every_fourth_layer_without_rope(
+        tiny_model: Callable[..., str], tmp_path, quantization: str | None) -> None:
+    """A SmolLM3 GGUF (llama.cpp's layout: Llama's tensors and permuted q/k rows; the
+    no-rope interval fixed at 4, not in the file): the last of four layers attends
+    without rope, and the logits equal transformers' on the checkpoint, through the
+    one-region stack on the blocks."""
+    model_dir = tiny_model("smollm3")
+    path = _write_llama_gguf(model_dir, str(tmp_path / "tiny-smollm3.gguf"), None, arch="smollm3")
+    mc = make_model_config(path, quantization=quantization, gguf_activations="float32")
+    assert mc.architecture == "SmolLM3ForCausalLM"
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    assert [a.rope for a in model.layer_attention] == [True, True, True, False]
+    prompt = token_ids(33)
+    runner = PagedRunner(model, mc)
+    runner.add("s", prompt)
+    logits = runner.step([("s", len(prompt))])
+    runner.append("s", int(logits[0].argmax()))
+    decode = runner.step([("s", 1)])[0]  # a decode through the one-region stack
+    torch.testing.assert_close(logits[0], _hf_last_logits(model_dir, prompt), atol=1e-4, rtol=0)
+    expected = _hf_last_logits(model_dir, [*prompt, int(logits[0].argmax())])
+    torch.testing.assert_close(decode, expected, atol=1e-4, rtol=0)
+    if quantization == "gguf":
+        assert model.model.fused_decode is not None
+        assert model.model.fused_decode._layers[3].cos_table is None
 
 
 def test_rope_freq_factors_of_wrong_length_are_refused() -> None:

@@ -69,6 +69,8 @@ class FusedLayer:
     post_attn: Any = None
     post_ffn: Any = None
     """Norms of the attention and MLP outputs (Gemma), or None."""
+    rope: bool = True
+    """Whether the layer rotates q and k (pg_layer's rope tables NULL when not)."""
     router: Linear | None = None
     moe: Any = None
     """A layer with experts: its router and FusedMoE (GGUF blocks), in place of the MLP."""
@@ -254,7 +256,8 @@ class FusedDecodeStack:
                 qkv=_linear(p.qkv, self._keep), o=_linear(p.o, self._keep), **mlp,
                 q_norm=_ptr_of(p.q_norm), k_norm=_ptr_of(p.k_norm),
                 post_attn=_ptr_of(p.post_attn), post_ffn=_ptr_of(p.post_ffn),
-                cos_table=rope.cos_cache.data_ptr(), sin_table=rope.sin_cache.data_ptr(),
+                cos_table=rope.cos_cache.data_ptr() if p.rope else None,
+                sin_table=rope.sin_cache.data_ptr() if p.rope else None,
                 scale=p.attn.impl.scale, view=self.windows.index(p.attn.sliding_window),
                 act=_act_code(p.act), **_moe_fields(p, self._keep),
             )  # fmt: skip

@@ -64,6 +64,8 @@ class LayerAttention:
     """Keys a query sees, itself included; None: the whole context."""
     logits_soft_cap: float | None = None
     """Scores become cap * tanh(score / cap) (Gemma 2); None: uncapped."""
+    rope: bool = True
+    """Whether q and k are rotated (SmolLM3 leaves every 4th layer without rope)."""
 
 
 class LlamaAttention(nn.Module):
@@ -92,6 +94,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, opts.o_bias, quant_config,
                              f"{prefix}.o_proj")
         eps = config.rms_norm_eps
+        self.use_rope = attn.rope
         self.q_norm = norm_cls(self.head_dim, eps) if opts.qk_norm else None
         self.k_norm = norm_cls(self.head_dim, eps) if opts.qk_norm else None
         self.attn = Attention(
@@ -113,7 +116,8 @@ class LlamaAttention(nn.Module):
         heads = qkv.view(hidden.shape[0], h + 2 * kvh, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             self._qk_norm(heads)
-        RotaryEmbedding.rotate_(heads, h + kvh, rope)
+        if self.use_rope:
+            RotaryEmbedding.rotate_(heads, h + kvh, rope)
         q, k, v = heads.split(self.head_splits, 1)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
@@ -193,7 +197,7 @@ class LlamaDecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         return FusedLayer(self.input_layernorm, self.post_attention_layernorm, a.qkv_proj,
                           a.o_proj, m.gate_up_proj, m.down_proj, a.attn, m.act_fn,
-                          q_norm=a.q_norm, k_norm=a.k_norm)
+                          q_norm=a.q_norm, k_norm=a.k_norm, rope=a.use_rope)
 
 
 class LlamaModel(nn.Module):
