@@ -286,7 +286,7 @@ class TorchAttentionImpl(AttentionImpl):
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
-        k_store, v_store = self._storage(kv_cache)
+        k_store, v_store = self.cache_storage(kv_cache)
         n = metadata.num_actual_tokens
         lib = self.kernels if _c_ready(k_store, key, value, metadata.slot_mapping) else None
         if lib is not None:
@@ -313,8 +313,10 @@ class TorchAttentionImpl(AttentionImpl):
             )
         return out
 
-    def _storage(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_storage` of this layer's cache, worked out once (the runner keeps the tensors)."""
+    def cache_storage(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's physical K [KVH, nb, D, bs] and V [KVH, nb, bs, D] (`_storage`),
+        worked out once (the runner keeps the tensors); what the one-region C stack
+        points its layers at."""
         cached = self.__dict__.get("_store")
         if cached is None or cached[0] is not kv_cache[0]:
             cached = self._store = (kv_cache[0], *_storage(*kv_cache))

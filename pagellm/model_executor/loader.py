@@ -299,7 +299,10 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
     # the meta device would save the allocation, but its first use imports torch's
     # meta kernels, which costs more).
     with _default_dtype(model_config.torch_dtype), torch.device(device):
-        model = model_cls(model_config.hf_config, attn_backend, quant_config)
+        # the engine's context length rides along (rope tables need no more positions)
+        config = ArchConfig({**model_config.hf_config.to_dict(),
+                             "max_model_len": model_config.max_model_len})
+        model = model_cls(config, attn_backend, quant_config)
     # 2. Stream checkpoint tensors into the parameters (cast/copied on the fly).
     if quant_config is not None and quant_config.get_name() == "gguf":
         weights = weight_utils.gguf_quantized_weights_iterator(path, model_config.hf_config)

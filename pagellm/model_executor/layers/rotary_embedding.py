@@ -255,6 +255,15 @@ class RotaryEmbedding(nn.Module):
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+def rope_positions(config: Any, context: int) -> int:
+    """Positions a rope table needs: the model's context, or the engine's max_model_len
+    where the loader gave it (`config.max_model_len`) and it is shorter. (A table is
+    [positions, head_dim] per cos and sin: Llama 3.1's 131072 positions at head_dim 128
+    would be 128 MB for a server of 4096.)"""
+    limit = getattr(config, "max_model_len", None)
+    return min(context, int(limit)) if limit else context
+
+
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
-    max_position = context_length(config, default=8192)
+    max_position = rope_positions(config, context_length(config, default=8192))
     return RotaryEmbedding(head_dim, max_position, get_rope_params(config))

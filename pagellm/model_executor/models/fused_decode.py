@@ -325,7 +325,7 @@ class FusedDecodeStack:
     def _bind_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Point each layer at its cache storage (once per cache allocation)."""
         for i, p in enumerate(self.parts):
-            k_store, v_store = p.attn.impl._storage(kv_caches[p.attn.layer_idx])
+            k_store, v_store = p.attn.impl.cache_storage(kv_caches[p.attn.layer_idx])
             self._layers[i].k_store = k_store.data_ptr()
             self._layers[i].v_store = v_store.data_ptr()
             self.NB, self.bs = k_store.shape[1], k_store.shape[3]

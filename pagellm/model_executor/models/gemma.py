@@ -29,6 +29,7 @@ from pagellm.model_executor.layers.rotary_embedding import (
     RopeTables,
     RotaryEmbedding,
     get_rope_params,
+    rope_positions,
 )
 from pagellm.model_executor.models.fused_decode import FusedLayer
 from pagellm.model_executor.models.llama import (
@@ -135,7 +136,7 @@ class GemmaModel(LlamaModel):
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32)
         """sqrt(hidden) as a float32 scalar, cast to the activations' dtype (HF's)."""
         head_dim = head_dim_of(config)
-        max_position = int(config.max_position_embeddings)
+        max_position = rope_positions(config, int(config.max_position_embeddings))
         self.layer_types = layer_types_of(config)
         self.ropes = nn.ModuleDict({
             kind: RotaryEmbedding(head_dim, max_position, get_rope_params(
