@@ -502,18 +502,24 @@ VNNI512 static ALWAYS_INLINE void q6k_rows(const uint8_t *row, int64_t nsb, cons
                      32.0f * _mm512_reduce_add_ps(off[r]);
 }
 
-/* Q4_0, Q4_1, Q8_0: blocks of 32 with a float16 scale first (and Q4_1's minimum next),
- * taken 8 blocks at a time, two blocks per vector: b32_chunk does blocks g0 .. g0+n-1
- * (n <= 8), adding to acc (products) and off (offsets times the sums of x). Called with
- * n = 8 for the whole chunks, it compiles to straight-line code without masks. */
+/* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 with a float16 scale first (and Q4_1's and
+ * Q5_1's minimum next), taken 8 blocks at a time, two blocks per vector: b32_chunk does
+ * blocks g0 .. g0+n-1 (n <= 8), adding to acc (products) and off (offsets times the sums
+ * of x). Called with n = 8 for the whole chunks, it compiles to straight-line code
+ * without masks. Q5's fifth bits (32 per block, bit j for value j) become 0x10 in the
+ * bytes of a byte mask: the two blocks' 64 bits select the bytes directly. */
 VNNI512 static ALWAYS_INLINE void b32_chunk(const int type, const uint8_t *row, int64_t g0,
                                             const int n, const int8_t *qx, const float *dx,
                                             const int32_t *sx, int64_t K, const int R,
                                             __m512 *acc, __m256 *off) {
-    const int64_t bytes = type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34;
-    const int qs_off = type == Q_Q4_1 ? 4 : 2;
-    /* the weights' offset, through the sums of x: Q4_0 stores w + 8, Q8_0 is shifted by 128 */
-    const float offset = type == Q_Q4_0 ? -8.0f : type == Q_Q8_0 ? -128.0f : 0.0f;
+    const int64_t bytes = type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : type == Q_Q5_0 ? 22
+                        : type == Q_Q5_1 ? 24 : 34;
+    const int minimum = type == Q_Q4_1 || type == Q_Q5_1, five = type == Q_Q5_0 || type == Q_Q5_1;
+    const int qh_off = minimum ? 4 : 2, qs_off = five ? qh_off + 4 : qh_off;
+    /* the weights' offset, through the sums of x: Q4_0 stores w + 8, Q5_0 w + 16, Q8_0 is
+     * shifted by 128 */
+    const float offset = type == Q_Q4_0 ? -8.0f : type == Q_Q5_0 ? -16.0f
+                       : type == Q_Q8_0 ? -128.0f : 0.0f;
     const __m512i low4 = _mm512_set1_epi8(0x0F), lane8 = lane_div(3);
     const __m512i halves = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
     PREFETCH(row + g0 * bytes, 8 * bytes);
@@ -533,7 +539,7 @@ VNNI512 static ALWAYS_INLINE void b32_chunk(const int type, const uint8_t *row, 
                                   : _mm256_maskz_loadu_ps((__mmask8)((1u << n) - 1), dx + r * (K / 32) + g0);
         const __m256 sc = _mm256_mul_ps(d8, dxv);
         S[r] = _mm512_castps256_ps512(sc);
-        const __m256 coef = type == Q_Q4_1 ? _mm256_mul_ps(m8, dxv) : _mm256_mul_ps(sc, _mm256_set1_ps(offset));
+        const __m256 coef = minimum ? _mm256_mul_ps(m8, dxv) : _mm256_mul_ps(sc, _mm256_set1_ps(offset));
         off[r] = _mm256_fmadd_ps(coef, sums32(sx + r * (K / 16) + 2 * g0, n), off[r]);
     }
     for (int p = 0; p < n; p += 2) {
@@ -551,6 +557,13 @@ VNNI512 static ALWAYS_INLINE void b32_chunk(const int type, const uint8_t *row, 
             const __m512i hi = _mm512_castsi256_si512(
                 _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm512_castsi512_si256(low4)));
             w = _mm512_permutex2var_epi64(lo, halves, hi);
+            if (five) {
+                uint32_t qh0, qh1;
+                memcpy(&qh0, b0 + qh_off, 4);
+                memcpy(&qh1, b1 + qh_off, 4);
+                const __mmask64 bits = (__mmask64)qh0 | ((__mmask64)qh1 << 32);
+                w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)));
+            }
         }
         const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(p));
         for (int r = 0; r < R; r++) {
@@ -633,6 +646,14 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
         case Q_Q4_1:
 #define B41(r) b32_rows(Q_Q4_1, row, K / 32, qx, dx, sx, K, r, out, 1)
             OVER_ROWS(B41)
+            return 1;
+        case Q_Q5_0:
+#define B50(r) b32_rows(Q_Q5_0, row, K / 32, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(B50)
+            return 1;
+        case Q_Q5_1:
+#define B51(r) b32_rows(Q_Q5_1, row, K / 32, qx, dx, sx, K, r, out, 1)
+            OVER_ROWS(B51)
             return 1;
         case Q_Q8_0:
 #define B80(r) b32_rows(Q_Q8_0, row, K / 32, qx, dx, sx, K, r, out, 1)

@@ -391,7 +391,7 @@ def test_q8_kernels_compute_the_int8_scheme(qtype: str, q8_isa: Any) -> None:
         assert 1e-5 < err(ours, exact) <= err(llama, exact) * 1.001
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     """The 32-block kernels take whole chunks of 8 blocks, then the rest (unrolled for 2, 4
     and 6 blocks, a general loop otherwise): every rest from 0 to 7 blocks, and rows
