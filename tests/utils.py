@@ -92,11 +92,11 @@ def _tiny_config(family: str, vocab_size: int, tok: Any, **overrides: Any) -> An
         return cfg
     elif family in ("qwen2_moe", "qwen3_moe"):
         # 8 experts of 32, top 2 (Qwen3: renormalised); the second layer dense
-        # (mlp_only_layers), Qwen2's shared expert of 48 behind its gate
+        # (mlp_only_layers), Qwen2's shared expert of 64 behind its gate
         moe: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                    mlp_only_layers=[1], decoder_sparse_step=1)
         if family == "qwen2_moe":
-            cfg = Qwen2MoeConfig(**{**common, **moe, "shared_expert_intermediate_size": 48,
+            cfg = Qwen2MoeConfig(**{**common, **moe, "shared_expert_intermediate_size": 64,
                                     "rope_theta": 1000000.0, **overrides})
         else:
             cfg = Qwen3MoeConfig(**{**common, **moe, "head_dim": 16, "norm_topk_prob": True,

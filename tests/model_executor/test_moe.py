@@ -48,8 +48,11 @@ def _write_moe_gguf(model_dir: str, out: str, expert_type: str,
             "attention.head_count": heads, "attention.head_count_kv": kv_heads,
             "expert_count": n_exp, "expert_used_count": cfg["num_experts_per_tok"]}
     if arch == "qwen3moe":
-        keys.update({"attention.key_length": cfg["head_dim"],
-                     "expert_feed_forward_length": cfg["moe_intermediate_size"]})
+        keys["attention.key_length"] = cfg["head_dim"]
+    if arch in ("qwen3moe", "qwen2moe"):
+        keys["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if arch == "qwen2moe":
+        keys["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     for key, value in keys.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
@@ -75,7 +78,7 @@ def _write_moe_gguf(model_dir: str, out: str, expert_type: str,
             gguf_name = f"blk.{layer}.{layer_names[part]}.{suffix}"
         else:
             gguf_name = f"{global_names[stem]}.{suffix}"
-        if t.ndim == 1 or name.endswith("mlp.gate.weight"):
+        if t.ndim == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
             w.add_tensor(gguf_name, t)
             reference[name] = torch.from_numpy(t)
             continue
@@ -177,6 +180,27 @@ def test_mixtral_gguf_under_the_llama_architecture_matches_transformers(
     logits = runner.step([("s", len(prompt))])[0]
     torch.testing.assert_close(logits, _hf_logits(model_dir, reference, prompt), atol=1e-4, rtol=0)
     assert model.model.fused_decode is not None  # its experts run in the one-region stack
+
+
+def test_qwen2_moe_gguf_with_its_shared_expert_matches_transformers(
+        tiny_model: Callable[..., str], tmp_path) -> None:
+    """A Qwen2-MoE GGUF: q/k/v biases, top 2 of 8 experts not renormalised, and the
+    shared expert (ffn_*_shexp) behind its sigmoid gate (ffn_gate_inp_shexp): on the
+    blocks with float32 activations, the logits equal transformers' on the blocks'
+    values."""
+    model_dir = tiny_model("qwen2_moe", mlp_only_layers=[])
+    path = str(tmp_path / "tiny-qwen2moe.gguf")
+    reference = _write_moe_gguf(model_dir, path, "Q8_0", arch="qwen2moe")
+    mc = make_model_config(path, quantization="gguf", gguf_activations="float32")
+    assert (mc.architecture, mc.hf_config.shared_expert_intermediate_size) == ("Qwen2MoeForCausalLM", 64)
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    assert model.model.layers[0].mlp.shared_expert is not None
+    assert not model.model.layers[0].mlp.experts.renormalize
+    prompt = token_ids(40)
+    runner = PagedRunner(model, mc)
+    runner.add("s", prompt)
+    logits = runner.step([("s", len(prompt))])[0]
+    torch.testing.assert_close(logits, _hf_logits(model_dir, reference, prompt), atol=1e-4, rtol=0)
 
 
 def test_expert_type_without_a_kernel_is_dequantized_with_one_log_line(
