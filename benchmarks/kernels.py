@@ -101,7 +101,7 @@ def decode_attention(lib, reps: int) -> None:
     def run() -> None:
         lib.pg_paged_decode(q.data_ptr(), q.stride(0), b, h, kvh, d, k_store.data_ptr(),
                             v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
-                            lo.data_ptr(), hi.data_ptr(), int(hi.max()), d**-0.5, out.data_ptr())
+                            lo.data_ptr(), hi.data_ptr(), int(hi.max()), d**-0.5, 0.0, out.data_ptr())
 
     ms = best_ms(run, reps)
     flops = 4 * b * h * float(lens.mean()) * d

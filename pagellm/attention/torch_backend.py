@@ -270,8 +270,8 @@ class TorchAttentionImpl(AttentionImpl):
         """Informational: the window is applied through the metadata the layer hands in."""
         self.logits_soft_cap = logits_soft_cap
         """Scores become cap * tanh(score / cap) before the mask and softmax (Gemma 2);
-        None: plain scores. The C decode kernel and SDPA take no cap, so a capped layer
-        attends with the torch ops (`_decode`, `_prefill_math`)."""
+        None: plain scores. The C decode kernel caps them itself; SDPA takes no cap, so a
+        capped layer's prompt chunks attend with `_prefill_math`."""
         self.group = num_heads // num_kv_heads  # query heads per KV head (GQA)
         self.kernels = c_kernels()
         """pagellm's C kernels for float32 CPU caches (decode and the cache write), or
@@ -296,8 +296,7 @@ class TorchAttentionImpl(AttentionImpl):
                             metadata.slot_mapping.data_ptr())
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
-        c_decode = (lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
-                    and self.logits_soft_cap is None)
+        c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
         dec = metadata.decode
         if metadata.decode_only and dec and n == query.shape[0]:
             if c_decode:
@@ -336,7 +335,7 @@ class TorchAttentionImpl(AttentionImpl):
             query.data_ptr(), query.stride(0), b, h, kvh, d, k_store.data_ptr(),
             v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
             dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots, self.scale,
-            out.data_ptr(),
+            self.logits_soft_cap or 0.0, out.data_ptr(),
         )
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for the score buffer")

@@ -153,7 +153,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gemm_q8.restype = ctypes.c_int
     lib.pg_q8_isa.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64,
-                                    ptr, ptr, i64, ctypes.c_float, ptr]
+                                    ptr, ptr, i64, ctypes.c_float, ctypes.c_float, ptr]
     lib.pg_paged_decode.restype = ctypes.c_int
     lib.pg_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr]
     lib.pg_write_kv.restype = None

@@ -83,7 +83,7 @@ void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int
                           int64_t D, const float *k_store, const float *v_store, int64_t NB,
                           int64_t bs, const int64_t *table, int64_t table_stride,
                           const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
-                          float *out, float *scratch, const pg_team *team);
+                          float cap, float *out, float *scratch, const pg_team *team);
 void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
                       int64_t T, int64_t KVH, int64_t D, float *k_store, float *v_store,
                       int64_t NB, int64_t bs, const int64_t *slots, const pg_team *team);
@@ -114,6 +114,7 @@ typedef struct {
     const float *post_attn, *post_ffn;     /* norms of the sub-blocks' outputs, or NULL */
     const float *cos_table, *sin_table;    /* this layer's rope tables [max_pos, D], or NULL */
     float scale;                           /* q.k scale */
+    float soft_cap;                        /* scores capped as cap * tanh(s / cap); 0: none */
     int64_t view;                          /* which of the step's attention views */
     int64_t act;                           /* PG_ACT_* */
     /* experts (moe_experts > 0; gate_up and down unused): the router, and each
@@ -362,7 +363,7 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
         const pg_attn_view *v = &s->views[L->view];
         pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
                              s->NB, s->bs, v->table, v->table_stride, v->lo, v->hi,
-                             v->max_slots, L->scale, s->attn, sc->scores, team);
+                             v->max_slots, L->scale, L->soft_cap, s->attn, sc->scores, team);
         pg_team_sync(team);
         linear(&L->o, s->attn, T, x, s, sc, team);
         if (L->post_attn != NULL) { /* in place: each row's scale is taken before it is written */

@@ -73,12 +73,23 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* cap * tanh(x / cap) lane by lane (Gemma 2's score cap): tanh(a) = (1 - e^-2a) / (1 + e^-2a)
+ * for a = |x| / cap, the sign put back. */
+static inline __m256 soft_cap8(__m256 x, float cap) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), c = _mm256_set1_ps(cap);
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_div_ps(x, c));
+    const __m256 t = exp_neg(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+    const __m256 th = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), t), _mm256_add_ps(_mm256_set1_ps(1.0f), t));
+    return _mm256_mul_ps(_mm256_or_ps(th, _mm256_and_ps(x, sign)), c);
+}
+
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
- * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)]. */
+ * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)].
+ * cap > 0: scores are capped (soft_cap8) before the softmax. */
 static inline __attribute__((always_inline)) void decode_heads(
     const int G, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh, int64_t D,
     const float *k_store, const float *v_store, int64_t NB, const int64_t *row, int64_t lo,
-    int64_t hi, float scale, float *sc, int64_t stride, float *out, int64_t H) {
+    int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out, int64_t H) {
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
     float qs[4][256];
     for (int g = 0; g < G; g++)
@@ -107,6 +118,11 @@ static inline __attribute__((always_inline)) void decode_heads(
     const int64_t n = hi - lo, off = lo - j0 * 16;
     for (int g = 0; g < G; g++) {
         float *p = sc + g * stride + off;
+        if (cap > 0.0f) {
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, soft_cap8(_mm256_loadu_ps(p + i), cap));
+            for (; i < n; i++) p[i] = cap * tanhf(p[i] / cap);
+        }
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + i));
@@ -164,8 +180,8 @@ static inline __attribute__((always_inline)) void decode_heads(
 static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
                              int64_t D, const float *k_store, const float *v_store, int64_t NB,
                              const int64_t *table, int64_t table_stride, const int64_t *lo,
-                             const int64_t *hi, int64_t max_slots, float scale, float *out,
-                             float *sc, const pg_team *team) {
+                             const int64_t *hi, int64_t max_slots, float scale, float cap,
+                             float *out, float *sc, const pg_team *team) {
     const int64_t group = H / KVH;
     /* runs of up to 4 heads share their K/V loads; single heads when that would leave
      * too few tasks for the threads (one long request) */
@@ -184,7 +200,7 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
 #define HEADS(n)                                                                            \
     case n:                                                                                 \
         decode_heads(n, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],      \
-                     scale, sc, stride, out, H);                                            \
+                     scale, cap, sc, stride, out, H);                                       \
         break;
         switch (G) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
 #undef HEADS
@@ -197,8 +213,8 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
                                  int64_t KVH, int64_t D, const float *k_store,
                                  const float *v_store, int64_t NB, int64_t bs,
                                  const int64_t *table, int64_t table_stride, const int64_t *lo,
-                                 const int64_t *hi, int64_t max_slots, float scale, float *out,
-                                 float *scores, const pg_team *team) {
+                                 const int64_t *hi, int64_t max_slots, float scale, float cap,
+                                 float *out, float *scores, const pg_team *team) {
     int64_t group = H / KVH, t0, t1;
     share_by_slots(B * H * max_slots * D >= 32768, B, H, lo, hi, team, &t0, &t1);
     for (int64_t task = t0; task < t1; task++) {
@@ -223,6 +239,13 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
             i += s1 - s0;
         }
         int64_t n = last - first;
+        if (cap > 0.0f) { /* the capped scores, and their maximum again */
+            best = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                scores[j] = cap * tanhf(scores[j] / cap);
+                best = scores[j] > best ? scores[j] : best;
+            }
+        }
         float total = 0.0f;
         for (int64_t j = 0; j < n; j++) {
             scores[j] = expf(scores[j] - best);
@@ -246,22 +269,22 @@ void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int
                           int64_t D, const float *k_store, const float *v_store, int64_t NB,
                           int64_t bs, const int64_t *table, int64_t table_stride,
                           const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
-                          float *out, float *scratch, const pg_team *team) {
+                          float cap, float *out, float *scratch, const pg_team *team) {
 #ifdef PG_AVX2
     if (bs == 16 && D % 32 == 0 && D <= 256) {
         decode_avx2_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, table, table_stride, lo,
-                         hi, max_slots, scale, out, scratch, team);
+                         hi, max_slots, scale, cap, out, scratch, team);
         return;
     }
 #endif
     decode_portable_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table, table_stride,
-                         lo, hi, max_slots, scale, out, scratch, team);
+                         lo, hi, max_slots, scale, cap, out, scratch, team);
 }
 
 int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
                     const float *k_store, const float *v_store, int64_t NB, int64_t bs,
                     const int64_t *table, int64_t table_stride, const int64_t *lo,
-                    const int64_t *hi, int64_t max_slots, float scale, float *out) {
+                    const int64_t *hi, int64_t max_slots, float scale, float cap, float *out) {
     atomic_int failed = 0;
     PG_TEAM_RUN(B * H * max_slots * D >= 32768, {
         float *scratch = malloc((size_t)pg_paged_decode_scratch(max_slots) * sizeof(float));
@@ -269,7 +292,7 @@ int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t K
             atomic_store(&failed, 1);
         } else {
             pg_paged_decode_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table,
-                                 table_stride, lo, hi, max_slots, scale, out, scratch, &team);
+                                 table_stride, lo, hi, max_slots, scale, cap, out, scratch, &team);
             free(scratch);
         }
     });

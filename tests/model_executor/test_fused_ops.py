@@ -167,11 +167,9 @@ def test_fused_logits_equal_eager_torch(
         runner.add("b", [(i * 104729 + 7) % 49000 + 100 for i in range(8)])
         logits[name] = [runner.step(step) for step in steps]
     _set_kernels(model, lib)
-    expected = {"pg_add_rms_norm", "pg_rope", "pg_write_kv"}
+    expected = {"pg_add_rms_norm", "pg_rope", "pg_write_kv", "pg_paged_decode"}  # Gemma 2: capped
     expected |= {"pg_gelu_tanh_and_mul"} if family.startswith("gemma") else {"pg_silu_and_mul"}
     expected |= {"pg_head_rms_norm"} if family in ("qwen3", "gemma3") else set()
-    # Gemma 2 caps its scores: its decodes attend with torch ops, not pg_paged_decode
-    expected |= set() if family == "gemma2" else {"pg_paged_decode"}
     assert expected <= counting.called
     for fused, eager in zip(logits["fused"], logits["eager"]):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
@@ -253,17 +251,18 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
             _close(f, m)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gemma2"])
 def test_fused_stack_attends_prompt_rows_like_sdpa(
     tiny_model: Callable[..., str], family: str
 ) -> None:
     """Prompt chunks through the one-region stack at split shapes (16-slot blocks, 256 /
     768 wide, 2 threads), with and without a sliding window that cuts into them (Gemma 3:
-    two views, sliding and global layers), beside decodes of other lengths: logits equal
-    the module path's (SDPA per chunk) within 1e-5, and the decodes after them too."""
+    two views, sliding and global layers; Gemma 2: capped scores, eager attention per chunk
+    on the module path), beside decodes of other lengths: logits equal the module path's
+    (SDPA per chunk) within 1e-5, and the decodes after them too."""
     if load_kernels() is None:
         pytest.skip("no C compiler")
-    window = {"sliding_window": 24} if family in ("mistral", "gemma3") else {}
+    window = {"sliding_window": 24} if family in ("mistral", "gemma3", "gemma2") else {}
     mc = make_model_config(tiny_model(
         family, hidden_size=256, intermediate_size=768, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, **window))  # fmt: skip
@@ -378,7 +377,7 @@ def test_fused_decode_stack_on_float32_weights(
 
 
 @pytest.mark.parametrize("rows", [6, 12])
-@pytest.mark.parametrize("weights", ["q4_k_m", "float32", "gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("weights", ["q4_k_m", "float32", "gemma3", "gemma2", "qwen3-moe"])
 def test_fused_decode_stack_splits_every_kernel(
     tmp_path: Any, tiny_model: Callable[..., str], weights: str, rows: int
 ) -> None:
@@ -400,9 +399,9 @@ def test_fused_decode_stack_splits_every_kernel(
         path = str(tmp_path / "tiny-moe.gguf")
         write_qwen3_moe_gguf(path, SHAPES["tiny-moe"], "q4_k_m", seed=2)
         mc = make_model_config(path, quantization="gguf")
-    else:  # float32 weights; Gemma 3: its extra norms, GELU, two windows of 24 and all
+    else:  # float32 weights; Gemma: its extra norms, GELU, two windows of 24 and all (2: caps)
         mc = make_model_config(tiny_model(
-            "llama" if weights == "float32" else "gemma3", hidden_size=256,
+            "llama" if weights == "float32" else weights, hidden_size=256,
             intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
             num_hidden_layers=2 if weights == "float32" else 3,
             **({} if weights == "float32" else {"sliding_window": 24})))
@@ -444,12 +443,14 @@ def test_fused_decode_stack_splits_every_kernel(
             assert torch.equal(a, b)
 
 
-def test_capped_scores_keep_the_module_path(tiny_model: Callable[..., str]) -> None:
-    """Gemma 2 caps attention scores, which the C stack does not: no stack is built."""
+def test_capped_scores_take_the_stack_with_their_cap(tiny_model: Callable[..., str]) -> None:
+    """Gemma 2 caps attention scores (1.5 here): the C stack is built and carries the cap."""
     mc = make_model_config(tiny_model("gemma2"))
     model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
     assert model.layer_attention[0].logits_soft_cap == 1.5
-    assert FusedDecodeStack.build(model.model) is None
+    stack = FusedDecodeStack.build(model.model)
+    assert stack is not None
+    assert [stack._layers[i].soft_cap for i in range(stack.n_layers)] == [1.5] * 3
 
 
 @pytest.mark.parametrize("spin_ns", [0, 100_000], ids=["sleeping", "spinning"])

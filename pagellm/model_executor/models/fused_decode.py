@@ -102,7 +102,8 @@ class _Layer(ctypes.Structure):  # pg_layer
     _fields_ = [("norm1", _ptr), ("norm2", _ptr), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_store", _ptr), ("v_store", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("post_attn", _ptr), ("post_ffn", _ptr),
-                ("cos_table", _ptr), ("sin_table", _ptr), ("scale", _f32), ("view", _i64),
+                ("cos_table", _ptr), ("sin_table", _ptr), ("scale", _f32), ("soft_cap", _f32),
+                ("view", _i64),
                 ("act", _i64), ("router", _Linear), ("moe_experts", _i64), ("moe_top_k", _i64),
                 ("moe_inter", _i64), ("moe_renorm", _i64), ("moe_gate", _WeightGroup),
                 ("moe_up", _WeightGroup), ("moe_down", _WeightGroup)]  # fmt: skip
@@ -197,8 +198,8 @@ def _ptr_of(norm: Any) -> int | None:
 def _qualifies(parts: list[FusedLayer] | None, ropes: list[Any], lib: Any) -> bool:
     """Every layer described (`fused_layer()`), linears the C products take (GGUF blocks,
     or float32 weights the kernels can read), a gate the stack computes, float32 norms of
-    one epsilon and rope tables, the torch backend's C attention without a score cap, at
-    most MAX_VIEWS distinct windows."""
+    one epsilon and rope tables, the torch backend's C attention, at most MAX_VIEWS
+    distinct windows."""
     if lib is None or parts is None or any(r.cos_cache.dtype != torch.float32
                                            or r.rotary_dim != r.head_dim for r in ropes):
         return False  # (pg_rope turns whole heads: partial rotary keeps the module path)
@@ -215,7 +216,6 @@ def _qualifies(parts: list[FusedLayer] | None, ropes: list[Any], lib: Any) -> bo
             _act_code(p.act) is None
             or not isinstance(impl, TorchAttentionImpl)
             or impl.kernels is None
-            or impl.logits_soft_cap is not None
             or any(_weight_groups(m) is None for m in _linears(p))
             or any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu"
                    or not n.weight.is_contiguous() or n.variance_epsilon != eps
@@ -258,7 +258,8 @@ class FusedDecodeStack:
                 post_attn=_ptr_of(p.post_attn), post_ffn=_ptr_of(p.post_ffn),
                 cos_table=rope.cos_cache.data_ptr() if p.rope else None,
                 sin_table=rope.sin_cache.data_ptr() if p.rope else None,
-                scale=p.attn.impl.scale, view=self.windows.index(p.attn.sliding_window),
+                scale=p.attn.impl.scale, soft_cap=p.attn.impl.logits_soft_cap or 0.0,
+                view=self.windows.index(p.attn.sliding_window),
                 act=_act_code(p.act), **_moe_fields(p, self._keep),
             )  # fmt: skip
         self._keep.append(ropes)  # the tables the layers point into

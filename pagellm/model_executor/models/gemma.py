@@ -11,8 +11,7 @@
 - Gemma 2 caps attention scores (50) and final logits (30) as cap * tanh(x / cap).
 
 Input/output as LlamaForCausalLM. Gemma's layer describes itself to the one-region C
-decode stack (`fused_layer`: its extra norms, GELU, per-layer rope and window); Gemma 2's
-score cap is not in it, so Gemma 2 runs the module path.
+decode stack (`fused_layer`: its extra norms, GELU, per-layer rope, window and score cap).
 """
 
 from __future__ import annotations
