@@ -110,23 +110,13 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    if vocab_from is not None:
-        vocab = _copy_bpe_vocab(w, vocab_from)
-    else:
-        w.add_tokenizer_model("gpt2")
-        w.add_token_list([f"<t{i}>" for i in range(vocab)])
-        w.add_token_scores([0.0] * vocab)
-        w.add_token_types([1] * vocab)
-        w.add_token_merges([])
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
+    vocab = _add_vocab(w, vocab, vocab_from)
 
     def type_of(name: str, layer: int) -> str:
         return q4_k_m_type(name, layer, n_layers) if mix == "q4_k_m" else mix.upper()
 
-    def add(name: str, qtype: str, rows: int, cols: int) -> None:
-        data = random_blocks(qtype, rows, cols, rng)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    def add(name: str, qtype: str, rows: int, cols: int, experts: int = 0) -> None:
+        _add_blocks(w, rng, name, qtype, rows, cols, experts)
 
     def add_norm(name: str) -> None:
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
@@ -146,10 +136,7 @@ def write_llama_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed
     add_norm("output_norm.weight")
     if not tied:
         add("output.weight", type_of("output", 0), vocab, h)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w)
 
 
 def write_qwen3_moe_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", seed: int = 0,
@@ -177,25 +164,13 @@ def write_qwen3_moe_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", 
     w.add_expert_count(n_exp)
     w.add_expert_used_count(shape["top_k"])
     w.add_expert_feed_forward_length(e_inter)
-    if vocab_from is not None:
-        vocab = _copy_bpe_vocab(w, vocab_from)
-    else:
-        w.add_tokenizer_model("gpt2")
-        w.add_token_list([f"<t{i}>" for i in range(vocab)])
-        w.add_token_scores([0.0] * vocab)
-        w.add_token_types([1] * vocab)
-        w.add_token_merges([])
-        w.add_bos_token_id(0)
-        w.add_eos_token_id(1)
+    vocab = _add_vocab(w, vocab, vocab_from)
 
     def type_of(name: str, layer: int) -> str:
         return q4_k_m_type(name, layer, n_layers) if mix == "q4_k_m" else mix.upper()
 
     def add(name: str, qtype: str, rows: int, cols: int, experts: int = 0) -> None:
-        data = random_blocks(qtype, rows * max(experts, 1), cols, rng)
-        if experts:
-            data = data.reshape(experts, rows, data.shape[1])
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        _add_blocks(w, rng, name, qtype, rows, cols, experts)
 
     def add_f32(name: str, *dims: int, mean: float = 1.0) -> None:
         w.add_tensor(name, (mean + 0.1 * rng.standard_normal(dims)).astype(np.float32))
@@ -217,6 +192,36 @@ def write_qwen3_moe_gguf(path: str, shape: dict[str, int], mix: str = "q4_k_m", 
         add(f"{b}.ffn_down_exps.weight", type_of("ffn_down", i), h, e_inter, n_exp)
     add_f32("output_norm.weight", h)
     add("output.weight", type_of("output", 0), vocab, h)
+    _write_out(w)
+
+
+def _add_vocab(w: Any, vocab: int, vocab_from: str | None) -> int:
+    """`vocab_from`'s BPE vocabulary into writer `w`, or `vocab` placeholder tokens without
+    merges; returns the vocabulary size."""
+    if vocab_from is not None:
+        return _copy_bpe_vocab(w, vocab_from)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    return vocab
+
+
+def _add_blocks(w: Any, rng: np.random.Generator, name: str, qtype: str, rows: int, cols: int,
+                experts: int = 0) -> None:
+    """A random [rows, cols] tensor of `qtype` blocks, or `experts` of them stacked 3-D."""
+    import gguf
+
+    data = random_blocks(qtype, rows * max(experts, 1), cols, rng)
+    if experts:
+        data = data.reshape(experts, rows, data.shape[1])
+    w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+
+def _write_out(w: Any) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

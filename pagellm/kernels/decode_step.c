@@ -15,8 +15,8 @@
  *          view: its window's slots, and its scale)
  *   x = attn @ Wo.T (+ b)                 [x = rms_norm(x) * w_post_attn, in place]
  *   res = res + x                         normed = rms_norm(res) * w2
- *   gu = normed @ Wgate_up.T (+ b)        act = silu(gate) * up           pg_silu_and_mul
- *                                         (or gelu_tanh(gate) * up)       pg_gelu_tanh_and_mul
+ *   gu = normed @ Wgate_up.T (+ b)        act = silu(gate) * up           pg_act_and_mul
+ *                                         (or gelu_tanh(gate) * up)
  *   x = act @ Wdown.T (+ b)               [x = rms_norm(x) * w_post_ffn, in place]
  *
  * A layer with experts (Qwen3-MoE) replaces the last three lines by its router and the
@@ -70,10 +70,8 @@ void pg_add_rms_norm_part(float *x, int64_t ldx, const float *res, int64_t ldr,
 void pg_rope_part(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D,
                   const int64_t *pos, const float *cos_table, const float *sin_table,
                   const pg_team *team);
-void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
-                          int64_t ldo, const pg_team *team);
-void pg_gelu_tanh_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
-                               int64_t ldo, const pg_team *team);
+void pg_act_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, int act,
+                         float *out, int64_t ldo, const pg_team *team);
 void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
                            const float *wq, const float *wk, float eps, const pg_team *team);
 void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
@@ -103,7 +101,7 @@ typedef struct {
     const float *bias; /* [n_out] or NULL */
 } pg_linear;
 
-enum { PG_ACT_SILU = 0, PG_ACT_GELU_TANH = 1 };
+enum { PG_ACT_SILU = 0, PG_ACT_GELU_TANH = 1 }; /* pg_act_and_mul_part's act */
 #define PG_MAX_VIEWS 2 /* kinds of attention in one model (Gemma: sliding and global) */
 
 typedef struct {
@@ -318,7 +316,7 @@ static void moe_ffn(const pg_layer *L, const pg_step *s, const scratch *sc, floa
         gu[1].row_start = I;
         const pg_linear lin_gu = {2, hid, 2 * I, gu, NULL}, lin_dn = {1, I, hid, &dn, NULL};
         linear(&lin_gu, s->moe_x, m, s->gate_up, &ls, sc, team);
-        pg_silu_and_mul_part(s->gate_up, 2 * I, m, I, s->act, I, team);
+        pg_act_and_mul_part(s->gate_up, 2 * I, m, I, PG_ACT_SILU, s->act, I, team);
         pg_team_sync(team);
         linear(&lin_dn, s->act, m, s->moe_y, &ls, sc, team);
         int64_t j0, j1;
@@ -377,11 +375,8 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
             continue;
         }
         linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
-        if (L->act == PG_ACT_GELU_TANH)
-            pg_gelu_tanh_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter,
-                                      team);
-        else
-            pg_silu_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, s->act, s->inter, team);
+        pg_act_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, (int)L->act, s->act,
+                            s->inter, team);
         pg_team_sync(team);
         linear(&L->down, s->act, T, x, s, sc, team);
         if (L->post_ffn != NULL) {

@@ -140,33 +140,25 @@ static void act_mul_row(const float *g, const float *u, float *o, int64_t n, int
     }
 }
 
-/* out[t, i] = silu(x[t, i]) * x[t, I + i] for i < I: the gate and up halves of a fused
- * gate_up output, silu(g) = g / (1 + e^-g). */
-void pg_silu_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
-                          int64_t ldo, const pg_team *team) {
+/* out[t, i] = act(x[t, i]) * x[t, I + i] for i < I: the gate and up halves of a fused
+ * gate_up output; act 0 is silu(g) = g / (1 + e^-g), 1 GELU's tanh form (Gemma). */
+void pg_act_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, int act,
+                         float *out, int64_t ldo, const pg_team *team) {
     int64_t t0, t1;
     pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, 0);
+    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, act);
 }
 
 void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
                      int64_t ldo) {
     PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
-                pg_silu_and_mul_part(x, ldx, T, I, out, ldo, &team));
-}
-
-/* out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i] (Gemma's gated MLP). */
-void pg_gelu_tanh_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
-                               int64_t ldo, const pg_team *team) {
-    int64_t t0, t1;
-    pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, 1);
+                pg_act_and_mul_part(x, ldx, T, I, 0, out, ldo, &team));
 }
 
 void pg_gelu_tanh_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
                           int64_t ldo) {
     PG_TEAM_RUN(T * I >= PG_ROWS_PARALLEL_MIN,
-                pg_gelu_tanh_and_mul_part(x, ldx, T, I, out, ldo, &team));
+                pg_act_and_mul_part(x, ldx, T, I, 1, out, ldo, &team));
 }
 
 /* Mixture-of-experts routing of T rows of E router logits: the softmax of each row (in

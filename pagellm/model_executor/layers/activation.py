@@ -13,11 +13,16 @@ from torch import nn
 from pagellm.kernels import load_kernels
 
 
-class SiluAndMul(nn.Module):
+class _GatedActivation(nn.Module):
+    """act(gate) * up; float32 CPU rows through the C pass named `c_kernel` (where the
+    kernels built and the subclass has one), else the subclass's `forward_torch`."""
+
+    c_kernel = ""
+
     def __init__(self) -> None:
         super().__init__()
-        self.kernels = load_kernels()
-        """pagellm's C kernels, or None (no compiler): `forward_torch` then runs."""
+        self.kernels = load_kernels() if self.c_kernel else None
+        """pagellm's C kernels, or None (no compiler, no C pass): `forward_torch` runs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = self.kernels
@@ -26,8 +31,15 @@ class SiluAndMul(nn.Module):
             return self.forward_torch(x)
         t, d = x.shape[0], x.shape[1] // 2
         out = torch.empty(t, d, dtype=torch.float32)
-        lib.pg_silu_and_mul(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
+        getattr(lib, self.c_kernel)(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
         return out
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SiluAndMul(_GatedActivation):
+    c_kernel = "pg_silu_and_mul"
 
     @staticmethod
     def forward_torch(x: torch.Tensor) -> torch.Tensor:
@@ -35,23 +47,12 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(_GatedActivation):
     def __init__(self, approximate: str = "none") -> None:
-        super().__init__()
         self.approximate = approximate
-        """torch's `approximate`: "tanh" (gelu_pytorch_tanh) or "none" (erf)."""
-        self.kernels = load_kernels() if approximate == "tanh" else None
-        """The tanh form's C pass (`pg_gelu_tanh_and_mul`), or None: torch's op."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = self.kernels
-        if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
-                or x.device.type != "cpu"):
-            return self.forward_torch(x)
-        t, d = x.shape[0], x.shape[1] // 2
-        out = torch.empty(t, d, dtype=torch.float32)
-        lib.pg_gelu_tanh_and_mul(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
-        return out
+        """torch's `approximate`: "tanh" (gelu_pytorch_tanh, with a C pass) or "none" (erf)."""
+        self.c_kernel = "pg_gelu_tanh_and_mul" if approximate == "tanh" else ""
+        super().__init__()
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2

@@ -34,28 +34,22 @@ from pagellm.model_executor.models.fused_decode import FusedLayer
 from pagellm.model_executor.models.llama import (
     LayerAttention,
     LayerOptions,
-    LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    sliding_window_of,
 )
-from pagellm.model_executor.weight_utils import GGUFFamily
+from pagellm.model_executor.weight_utils import LLAMA_GGUF_LAYER_NAMES, GGUFFamily
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
+# llama.cpp's names, Gemma's norms: ffn_norm is the MLP's input norm, and each sub-block's
+# output has one
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
+    **LLAMA_GGUF_LAYER_NAMES,
     "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
@@ -76,31 +70,23 @@ class GemmaRMSNorm(RMSNorm):
             self._offset_applied = True
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Norms around both sub-blocks: x + post(attn(pre(x))), then the same for the MLP."""
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Norms around both sub-blocks: x + post(attn(pre(x))), then the same for the MLP.
+    (Llama's `post_attention_layernorm` is the attention output's norm here; the MLP's
+    input norm is `pre_feedforward_layernorm`.)"""
 
-    def __init__(
-        self,
-        config: Any,
-        layer_idx: int,
-        backend: type,
-        opts: LayerOptions,
-        attn: LayerAttention,
-        quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.layer_type = layer_types_of(config)[layer_idx]
-        self.self_attn = LlamaAttention(config, layer_idx, backend, opts, attn, quant_config,
-                                        f"{prefix}.self_attn", norm_cls=GemmaRMSNorm)
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp",
-                            hidden_act=getattr(config, "hidden_activation", None)
-                            or "gelu_pytorch_tanh")
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def make_mlp(self, config: Any, layer_idx: int, quant_config: QuantizationConfig | None,
+                 prefix: str) -> nn.Module:
+        act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+        return LlamaMLP(config, quant_config, prefix, hidden_act=act)
 
     def forward(
         self, rope: RopeTables, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -200,9 +186,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def layer_attention_of(cls, config: Any) -> list[LayerAttention]:
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+        window = sliding_window_of(config)
         scale = query_pre_attn_scalar_of(config) ** -0.5
         cap = _cap(config, "attn_logit_softcapping", cls.default_caps[0])
         return [LayerAttention(scale, window if kind == SLIDING else None, cap)

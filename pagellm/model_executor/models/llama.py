@@ -156,6 +156,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    norm_cls: type[RMSNorm] = RMSNorm
+    """The layer's norms (and q/k norms) class (Gemma's scales by 1 + w)."""
+
     def __init__(
         self,
         config: Any,
@@ -168,10 +171,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, backend, opts, attn, quant_config,
-                                        f"{prefix}.self_attn")
+                                        f"{prefix}.self_attn", norm_cls=self.norm_cls)
         self.mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def make_mlp(self, config: Any, layer_idx: int, quant_config: QuantizationConfig | None,
                  prefix: str) -> nn.Module:
@@ -377,13 +380,18 @@ def _load_one(model: nn.Module, name: str, tensor: Any) -> list[str]:
     return [name]
 
 
+def sliding_window_of(config: Any) -> int | None:
+    """config.sliding_window (None: the whole context), refused unless positive."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    return window
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral shares Llama's layout; every layer attends only to the last
     `config.sliding_window` positions when that is set (Mistral 7B v0.1: 4096)."""
 
     @classmethod
     def get_sliding_window(cls, config: Any) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
-        return window
+        return sliding_window_of(config)

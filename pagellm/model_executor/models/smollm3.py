@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagellm.model_executor.arch_config import head_dim_of
-from pagellm.model_executor.models.llama import LayerAttention, LlamaForCausalLM
+from pagellm.model_executor.models.llama import LayerAttention, LlamaForCausalLM, sliding_window_of
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
@@ -20,9 +20,7 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         uses_rope = getattr(config, "no_rope_layers", None) or [
             int((i + 1) % interval != 0) for i in range(n)]
         types = getattr(config, "layer_types", None) or ["full_attention"] * n
-        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
-        if window is not None and window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+        window = sliding_window_of(config) if getattr(config, "use_sliding_window", False) else None
         scale = head_dim_of(config) ** -0.5
         return [LayerAttention(scale, window if types[i] == "sliding_attention" else None,
                                rope=bool(uses_rope[i])) for i in range(n)]
