@@ -200,7 +200,9 @@ class PagedRunner:
         backend: str = "torch",
         device: str = "cpu",
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """kv_dtype: the cache's storage dtype (default: the model's compute dtype)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -210,7 +212,7 @@ class PagedRunner:
 
         def layer_cache() -> tuple[torch.Tensor, torch.Tensor]:
             k, v = attn_backend.allocate_kv_cache(
-                num_blocks, block_size, kvh, d, model_config.torch_dtype, self.device
+                num_blocks, block_size, kvh, d, kv_dtype or model_config.torch_dtype, self.device
             )
             return k.zero_(), v.zero_()
 

@@ -7,8 +7,9 @@ straight out of their blocks (see `_decode`), each prompt chunk on its own with 
 mask that is offset by the request's cached prefix. Knows token/block layout, never
 requests.
 
-Cache storage (`allocate_kv_cache`), both exposed as logical [num_blocks, block_size,
-KVH, D] views:
+Cache storage (`allocate_kv_cache`) in the cache dtype (float32, or float16 / bfloat16
+with --kv-cache-dtype: values are rounded as they are written and widened as they are
+read), both exposed as logical [num_blocks, block_size, KVH, D] views:
 
     K  [KVH, num_blocks, D, block_size]   a block's keys transposed: one row per (head,
                                           block, dim), block_size wide
@@ -274,8 +275,8 @@ class TorchAttentionImpl(AttentionImpl):
         capped layer's prompt chunks attend with `_prefill_math`."""
         self.group = num_heads // num_kv_heads  # query heads per KV head (GQA)
         self.kernels = c_kernels()
-        """pagellm's C kernels for float32 CPU caches (decode and the cache write), or
-        None: the torch ops below then do the same work."""
+        """pagellm's C kernels for CPU caches (decode and the cache write), or None: the
+        torch ops below then do the same work."""
 
     def forward(
         self,
@@ -292,20 +293,21 @@ class TorchAttentionImpl(AttentionImpl):
         if lib is not None:
             kvh, nb, d, bs = k_store.shape
             lib.pg_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), n,
-                            kvh, d, k_store.data_ptr(), v_store.data_ptr(), nb, bs,
-                            metadata.slot_mapping.data_ptr())
+                            kvh, d, KV_TYPE_CODES[k_store.dtype], k_store.data_ptr(),
+                            v_store.data_ptr(), nb, bs, metadata.slot_mapping.data_ptr())
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
         c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
         dec = metadata.decode
+        torch_decode = self._decode if k_store.dtype == query.dtype else self._decode_widened
         if metadata.decode_only and dec and n == query.shape[0]:
             if c_decode:
                 return self._decode_c(lib, query, k_store, v_store, dec)
-            return self._decode(query, k_store, v_store, dec)  # no scatter needed
+            return torch_decode(query, k_store, v_store, dec)  # no scatter needed
         out = query.new_zeros(query.shape) if n < query.shape[0] else torch.empty_like(query)
         if dec is not None:  # the decode rows of a mixed step: the same kernel as above
             out[dec.rows] = (self._decode_c(lib, query[dec.rows], k_store, v_store, dec)
-                             if c_decode else self._decode(query, k_store, v_store, dec))
+                             if c_decode else torch_decode(query, k_store, v_store, dec))
         for chunk in metadata.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, k_store, v_store, chunk
@@ -332,7 +334,8 @@ class TorchAttentionImpl(AttentionImpl):
         out = torch.empty(b, h, d, dtype=torch.float32)
         table = dec.block_table
         rc = lib.pg_paged_decode(
-            query.data_ptr(), query.stride(0), b, h, kvh, d, k_store.data_ptr(),
+            query.data_ptr(), query.stride(0), b, h, kvh, d, KV_TYPE_CODES[k_store.dtype],
+            k_store.data_ptr(),
             v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
             dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots, self.scale,
             self.logits_soft_cap or 0.0, out.data_ptr(),
@@ -391,6 +394,26 @@ class TorchAttentionImpl(AttentionImpl):
         )
         return out.view(b, h, d)
 
+    def _decode_widened(
+        self, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, dec: DecodeBatch
+    ) -> torch.Tensor:
+        """`_decode` for a cache stored in another dtype than the queries (a float16 cache
+        without the C kernels): the blocks each request reads, gathered and widened, then
+        two batched products over its padded row of keys."""
+        q = query[dec.rows] * self.scale  # [B, H, D]
+        b, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
+        table = dec.block_table
+        n = table.shape[1] * k_store.shape[3]
+        k = k_store[:, table].to(q.dtype).permute(1, 0, 2, 4, 3).reshape(b, kvh, n, d)
+        v = v_store[:, table].to(q.dtype).permute(1, 0, 2, 3, 4).reshape(b, kvh, n, d)
+        if self.group > 1:  # [B, KVH, L, D] -> [B, H, L, D]
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        scores = torch.einsum("bhd,bhld->bhl", q, k)
+        if self.logits_soft_cap is not None:
+            scores = _soft_cap(scores, self.logits_soft_cap)
+        probs = torch.softmax(scores.masked_fill_(~dec.mask, float("-inf")), dim=-1)
+        return torch.einsum("bhl,bhld->bhd", probs, v)
+
     def _lookups(
         self, dec: DecodeBatch, nb: int, d: int, bs: int, dtype: torch.dtype
     ) -> _DecodeLookups:
@@ -440,8 +463,8 @@ class TorchAttentionImpl(AttentionImpl):
         else:  # cached prefix + this chunk, read back from the blocks
             kvh, _, d, bs = k_store.shape
             n = chunk.block_ids.shape[0]
-            k = k_store.index_select(1, chunk.block_ids).transpose(-1, -2)  # [KVH, n, bs, D]
-            v = v_store.index_select(1, chunk.block_ids)
+            k = k_store.index_select(1, chunk.block_ids).transpose(-1, -2).to(q.dtype)  # [KVH, n, bs, D]
+            v = v_store.index_select(1, chunk.block_ids).to(q.dtype)
             k = k.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
             v = v.reshape(kvh, n * bs, d)[:, : chunk.seq_len]
         if self.logits_soft_cap is not None:
@@ -493,12 +516,17 @@ def c_kernels() -> Any:
     return load_kernels()
 
 
+KV_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""Cache dtypes the C kernels read and write, as their `kv_type` (paged_attention.c's
+PG_KV_*)."""
+
+
 def _c_ready(k_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slots: torch.Tensor) -> bool:
-    """The C kernels take float32 CPU caches, int64 slots and K/V rows whose heads are
-    contiguous."""
+    """The C kernels take float32, float16 or bfloat16 CPU caches, float32 K/V rows whose
+    heads are contiguous, and int64 slots."""
     return (
-        k_store.dtype == torch.float32
+        k_store.dtype in KV_TYPE_CODES
         and k_store.device.type == "cpu"
         and slots.dtype == torch.int64 and slots.is_contiguous()
         and key.dtype == value.dtype == torch.float32
@@ -530,8 +558,8 @@ def _write_kv(
     (slot = block_id * block_size + offset)."""
     kvh, nb, d, bs = k_store.shape
     # the indexed dims come first in the target: [T, KVH, D]
-    k_store[:, metadata.slot_blocks, :, metadata.slot_offsets] = key
-    v_rows = value.transpose(0, 1).contiguous()  # [KVH, T, D]
+    k_store[:, metadata.slot_blocks, :, metadata.slot_offsets] = key.to(k_store.dtype)
+    v_rows = value.transpose(0, 1).to(v_store.dtype).contiguous()  # [KVH, T, D]
     v_store.view(kvh, nb * bs, d).index_copy_(1, metadata.slot_mapping, v_rows)
 
 

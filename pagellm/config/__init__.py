@@ -101,6 +101,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV block."""
+    cache_dtype: str = "float32"
+    """The KV cache's storage dtype, resolved from EngineArgs.kv_cache_dtype (a torch dtype
+    name: float32, float16 or bfloat16)."""
     kv_cache_memory_bytes: int | None = None
     """Explicit KV cache budget in bytes; overrides the memory fraction."""
     gpu_memory_utilization: float = 0.9

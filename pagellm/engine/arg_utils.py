@@ -50,7 +50,6 @@ def _parse_len(value: str) -> int:
 _VLLM_DEFAULTS_ONLY: dict[str, tuple[Any, ...]] = {
     # vLLM options scripts often pass at their default values; any other value would
     # mean a feature pagellm does not have, so it is refused rather than ignored.
-    "kv_cache_dtype": ("auto",),
     "revision": (None, "main"),
     "tokenizer_revision": (None, "main"),
     "code_revision": (None, "main"),
@@ -70,6 +69,10 @@ _DTYPES = {  # name -> torch attribute
     "float16": "float16",
     "half": "float16",
 }
+
+
+_KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+"""Values of EngineArgs.kv_cache_dtype."""
 
 
 def torch_build_has_gpu() -> bool:
@@ -114,6 +117,8 @@ class EngineArgs:
     """Tokens per KV cache block."""
     kv_cache_memory_bytes: int | None = None
     """KV cache size in bytes; overrides gpu_memory_utilization."""
+    kv_cache_dtype: str = "auto"
+    """KV cache storage: auto, float32, float16 or bfloat16 (vLLM's flag; fp8 is not supported). Keys and values are rounded to it as they are written; attention computes in float32. 'auto' is the compute dtype, except on CPU for a GGUF file on the int8-activation path (its default), where it is float16: half the memory, and the C decode attention reads it faster than float32 at every context length measured. The exact paths keep float32 (their greedy parity with transformers)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory for the engine (CUDA). On CPU the KV cache takes this fraction of available RAM, capped at 4 GiB, unless kv_cache_memory_bytes is given."""
     num_gpu_blocks_override: int | None = None
@@ -281,6 +286,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
+                cache_dtype=self._resolve_kv_cache_dtype(model_config, device),
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
@@ -322,6 +328,11 @@ class EngineArgs:
             positive(name)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary) or >= 0, got {self.max_logprobs!r}.")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(_KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+                + (" (fp8 caches are not supported)." if str(self.kv_cache_dtype).startswith("fp8") else ".")
+            )
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -381,6 +392,16 @@ class EngineArgs:
         if ckpt in (torch.float16, torch.bfloat16):
             return str(ckpt).removeprefix("torch.")
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+    def _resolve_kv_cache_dtype(self, model_config: ModelConfig, device: str) -> str:
+        """The KV cache dtype's name (see the kv_cache_dtype field): a fixed rule of the
+        device and the weight path, so one machine and one model always get the same
+        numerics."""
+        if self.kv_cache_dtype != "auto":
+            return _DTYPES[self.kv_cache_dtype]
+        if device == "cpu" and model_config.quantization == "gguf" and model_config.gguf_activations != "float32":
+            return "float16"
+        return model_config.dtype
 
     def _resolve_quantization(self, model_path: str, device: str) -> str | None:
         from pagellm.model_executor.layers.quantization import resolve_quantization

@@ -152,10 +152,12 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gemm_q8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64]
     lib.pg_gemm_q8.restype = ctypes.c_int
     lib.pg_q8_isa.restype = ctypes.c_int
-    lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64,
-                                    ptr, ptr, i64, ctypes.c_float, ctypes.c_float, ptr]
+    lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, i64,
+                                    i64, ptr, i64, ptr, ptr, i64, ctypes.c_float, ctypes.c_float,
+                                    ptr]
     lib.pg_paged_decode.restype = ctypes.c_int
-    lib.pg_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr]
+    lib.pg_write_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, i64,
+                                i64, ptr]
     lib.pg_write_kv.restype = None
     f32 = ctypes.c_float
     lib.pg_add_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64]

@@ -78,13 +78,14 @@ void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int
                        float *probs, int64_t *ids, float *weights, const pg_team *team);
 int64_t pg_paged_decode_scratch(int64_t max_slots);
 void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
-                          int64_t D, const float *k_store, const float *v_store, int64_t NB,
-                          int64_t bs, const int64_t *table, int64_t table_stride,
+                          int64_t D, int kv_type, const void *k_store, const void *v_store,
+                          int64_t NB, int64_t bs, const int64_t *table, int64_t table_stride,
                           const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
                           float cap, float *out, float *scratch, const pg_team *team);
 void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
-                      int64_t T, int64_t KVH, int64_t D, float *k_store, float *v_store,
-                      int64_t NB, int64_t bs, const int64_t *slots, const pg_team *team);
+                      int64_t T, int64_t KVH, int64_t D, int kv_type, void *k_store,
+                      void *v_store, int64_t NB, int64_t bs, const int64_t *slots,
+                      const pg_team *team);
 
 /* Output rows [row_start, row_start + rows) of a linear: `block` 0, rows of one ggml
  * type (`row_bytes` each); `block` > 0, float32 in column blocks of `block` outputs with
@@ -107,7 +108,7 @@ enum { PG_ACT_SILU = 0, PG_ACT_GELU_TANH = 1 }; /* pg_act_and_mul_part's act */
 typedef struct {
     const float *norm1, *norm2; /* the RMSNorm weights before attention and before the MLP */
     pg_linear qkv, o, gate_up, down;
-    float *k_store, *v_store; /* K [KVH, NB, D, bs], V [KVH, NB, bs, D] */
+    void *k_store, *v_store; /* K [KVH, NB, D, bs], V [KVH, NB, bs, D] of the step's kv_type */
     const float *q_norm, *k_norm;          /* per-head norm weights [D], or NULL */
     const float *post_attn, *post_ffn;     /* norms of the sub-blocks' outputs, or NULL */
     const float *cos_table, *sin_table;    /* this layer's rope tables [max_pos, D], or NULL */
@@ -132,6 +133,7 @@ typedef struct {
 /* What every layer shares in one step. Scratch rows are T x the width named. */
 typedef struct {
     int64_t T, hidden, H, KVH, D, inter, NB, bs;
+    int64_t kv_type; /* the caches' element type (paged_attention.c's PG_KV_*) */
     int64_t direct_rows; /* GGUF products take pg_gemm up to this many rows, else pg_gemm_batched */
     int64_t n_q8;        /* rows whose products with the GGUF groups pg_q8_supported takes
                           * multiply int8-rounded activations (ggml_q8.c): the step's
@@ -355,12 +357,12 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
             pg_team_sync(team);
         }
         const float *key = s->qkv + s->H * s->D, *value = key + s->KVH * s->D;
-        pg_write_kv_part(key, qkv_w, value, qkv_w, T, s->KVH, s->D, L->k_store, L->v_store,
-                         s->NB, s->bs, s->slots, team);
+        pg_write_kv_part(key, qkv_w, value, qkv_w, T, s->KVH, s->D, (int)s->kv_type, L->k_store,
+                         L->v_store, s->NB, s->bs, s->slots, team);
         pg_team_sync(team);
         const pg_attn_view *v = &s->views[L->view];
-        pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, L->k_store, L->v_store,
-                             s->NB, s->bs, v->table, v->table_stride, v->lo, v->hi,
+        pg_paged_decode_part(s->qkv, qkv_w, T, s->H, s->KVH, s->D, (int)s->kv_type, L->k_store,
+                             L->v_store, s->NB, s->bs, v->table, v->table_stride, v->lo, v->hi,
                              v->max_slots, L->scale, L->soft_cap, s->attn, sc->scores, team);
         pg_team_sync(team);
         linear(&L->o, s->attn, T, x, s, sc, team);

@@ -1,4 +1,7 @@
-/* One-token decode attention over the paged KV cache, and the cache write, in float32.
+/* One-token decode attention over the paged KV cache, and the cache write. Queries,
+ * scores and outputs are float32; the cache holds float32, float16 or bfloat16 values
+ * (`kv_type`, PG_KV_*: --kv-cache-dtype), widened to float32 as they are read and
+ * rounded to nearest even as they are written (torch's conversions, bit for bit).
  *
  * Cache storage (as attention/torch_backend.py allocates it):
  *   K [KVH, NB, D, bs]   a block's keys transposed: key dim d of slot s at [d * bs + s]
@@ -25,6 +28,58 @@
 
 #include "ggml_common.h"
 #include "team.h"
+
+enum { PG_KV_F32 = 0, PG_KV_F16 = 1, PG_KV_BF16 = 2 }; /* the cache's element type */
+
+static inline int64_t kv_elem_bytes(int kt) { return kt == PG_KV_F32 ? 4 : 2; }
+
+/* Element i of a cache of type kt as a float. */
+static inline float kv_get(const void *base, int64_t i, const int kt) {
+    if (kt == PG_KV_F32) return ((const float *)base)[i];
+    const uint16_t h = ((const uint16_t *)base)[i];
+    if (kt == PG_KV_F16) return pg_f16((const uint8_t *)&h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* x rounded to the nearest float16 (ties to even), as bits; NaN stays NaN. */
+static inline uint16_t f32_to_f16(float x) {
+#ifdef PG_AVX2
+    return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    const uint32_t sign = (b >> 16) & 0x8000, absb = b & 0x7fffffff;
+    if (absb > 0x7f800000) return (uint16_t)(sign | 0x7e00); /* NaN */
+    if (absb >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds past 65504: inf */
+    if (absb < 0x38800000) { /* below 2^-14: a subnormal float16 (or 0) */
+        if (absb < 0x33000000) return (uint16_t)sign; /* under half the smallest: 0 */
+        const uint32_t e = absb >> 23, man = (absb & 0x7fffff) | 0x800000;
+        const uint32_t shift = 126 - e; /* v = man * 2^(e - 126), units of 2^-24 */
+        uint32_t v = man >> shift, rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (v & 1))) v++;
+        return (uint16_t)(sign | v);
+    }
+    uint32_t v = ((absb >> 13) - (112u << 10)), rest = absb & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (v & 1))) v++;
+    return (uint16_t)(sign | v);
+#endif
+}
+
+/* x rounded to the nearest bfloat16 (ties to even), as bits; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    if ((b & 0x7fffffff) > 0x7f800000) return (uint16_t)((b >> 16) | 0x40);
+    return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+}
+
+static inline void kv_put(void *base, int64_t i, float x, const int kt) {
+    if (kt == PG_KV_F32) ((float *)base)[i] = x;
+    else ((uint16_t *)base)[i] = kt == PG_KV_F16 ? f32_to_f16(x) : f32_to_bf16(x);
+}
 
 /* The first of B * per tasks (task k belongs to request k / per) before which at least
  * `target` slots are read, each task counting its slots plus 16 for its query and output. */
@@ -83,26 +138,37 @@ static inline __m256 soft_cap8(__m256 x, float cap) {
     return _mm256_mul_ps(_mm256_or_ps(th, _mm256_and_ps(x, sign)), c);
 }
 
+/* Elements [i, i + 8) of a cache of type kt as floats. */
+static inline __m256 kv_load8(const void *base, int64_t i, const int kt) {
+    if (kt == PG_KV_F32) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (kt == PG_KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
  * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)].
  * cap > 0: scores are capped (soft_cap8) before the softmax. */
 static inline __attribute__((always_inline)) void decode_heads(
-    const int G, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh, int64_t D,
-    const float *k_store, const float *v_store, int64_t NB, const int64_t *row, int64_t lo,
-    int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out, int64_t H) {
+    const int G, const int kt, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh,
+    int64_t D, const void *k_store, const void *v_store, int64_t NB, const int64_t *row,
+    int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
+    int64_t H) {
+    const char *kc = (const char *)k_store, *vc = (const char *)v_store;
+    const int64_t es = kv_elem_bytes(kt);
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
     float qs[4][256];
     for (int g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
     /* scores: every slot of blocks j0 .. j1-1, K loaded once for the G heads */
     for (int64_t j = j0; j < j1; j++) {
-        const float *kb = k_store + ((kvh * NB + row[j]) * D) * 16;
-        const float *kn = k_store + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16;
+        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
+        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
         __m256 a[4][2];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            _mm_prefetch((const char *)(kn + d * 16), _MM_HINT_T0);
-            __m256 k0 = _mm256_loadu_ps(kb + d * 16), k1 = _mm256_loadu_ps(kb + d * 16 + 8);
+            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
             for (int g = 0; g < G; g++) {
                 __m256 qd = _mm256_set1_ps(qs[g][d]);
                 a[g][0] = _mm256_fmadd_ps(qd, k0, a[g][0]);
@@ -150,13 +216,13 @@ static inline __attribute__((always_inline)) void decode_heads(
         __m256 a[4][4];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
-            const float *vr = v_store + ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
             if (d0 == 0 && i / 16 + 1 < j1) { /* the next block's row, while this one computes */
-                const char *vn = (const char *)(v_store + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D);
-                for (int64_t c = 0; c < D; c += 16) _mm_prefetch(vn + 4 * c, _MM_HINT_T0);
+                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
+                for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
             }
-            __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-            __m256 v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+            __m256 v0 = kv_load8(v_store, vr, kt), v1 = kv_load8(v_store, vr + 8, kt);
+            __m256 v2 = kv_load8(v_store, vr + 16, kt), v3 = kv_load8(v_store, vr + 24, kt);
             for (int g = 0; g < G; g++) {
                 __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)]);
                 a[g][0] = _mm256_fmadd_ps(pi, v0, a[g][0]);
@@ -178,7 +244,7 @@ static inline __attribute__((always_inline)) void decode_heads(
 /* Tasks: (request, KV head, run of up to 4 of its query heads); sc: 4 * (max_slots + 32)
  * floats. */
 static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
-                             int64_t D, const float *k_store, const float *v_store, int64_t NB,
+                             int64_t D, int kt, const void *k_store, const void *v_store, int64_t NB,
                              const int64_t *table, int64_t table_stride, const int64_t *lo,
                              const int64_t *hi, int64_t max_slots, float scale, float cap,
                              float *out, float *sc, const pg_team *team) {
@@ -197,21 +263,27 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
         const int64_t left = kvh * group + group - h0;
         const int G = (int)(left < run ? left : run);
         const int64_t *row = table + b * table_stride;
-#define HEADS(n)                                                                            \
+#define HEADS(n, t)                                                                         \
     case n:                                                                                 \
-        decode_heads(n, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],      \
+        decode_heads(n, t, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],   \
                      scale, cap, sc, stride, out, H);                                       \
         break;
-        switch (G) { HEADS(1) HEADS(2) HEADS(3) HEADS(4) }
+#define KV_TYPE(t)                                                                          \
+    case t:                                                                                 \
+        switch (G) { HEADS(1, t) HEADS(2, t) HEADS(3, t) HEADS(4, t) }                      \
+        break;
+        switch (kt) { KV_TYPE(PG_KV_F32) KV_TYPE(PG_KV_F16) KV_TYPE(PG_KV_BF16) }
+#undef KV_TYPE
 #undef HEADS
     }
 }
 #endif
 
-/* Tasks: (request, query head); scores: max_slots floats. */
-static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t H,
-                                 int64_t KVH, int64_t D, const float *k_store,
-                                 const float *v_store, int64_t NB, int64_t bs,
+/* Tasks: (request, query head); scores: max_slots floats. Inlined into one copy per
+ * element type kt. */
+static inline __attribute__((always_inline)) void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t H,
+                                 int64_t KVH, int64_t D, int kt, const void *k_store,
+                                 const void *v_store, int64_t NB, int64_t bs,
                                  const int64_t *table, int64_t table_stride, const int64_t *lo,
                                  const int64_t *hi, int64_t max_slots, float scale, float cap,
                                  float *out, float *scores, const pg_team *team) {
@@ -227,13 +299,13 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
         for (int64_t i = first; i < last;) {
             int64_t blk = row[i / bs], s0 = i % bs;
             int64_t s1 = (last - (i - s0) < bs) ? last - (i - s0) : bs;
-            const float *kb = k_store + ((kvh * NB + blk) * D) * bs;
+            const int64_t kb = ((kvh * NB + blk) * D) * bs;
             float *sc = scores + (i - first) - s0;
             for (int64_t s = s0; s < s1; s++) sc[s] = 0.0f;
             for (int64_t d = 0; d < D; d++) {
                 float qd = qh[d] * scale;
-                const float *kd = kb + d * bs;
-                for (int64_t s = s0; s < s1; s++) sc[s] += qd * kd[s];
+                const int64_t kd = kb + d * bs;
+                for (int64_t s = s0; s < s1; s++) sc[s] += qd * kv_get(k_store, kd + s, kt);
             }
             for (int64_t s = s0; s < s1; s++) best = sc[s] > best ? sc[s] : best;
             i += s1 - s0;
@@ -255,9 +327,9 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
         for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
         for (int64_t i = first; i < last; i++) {
             int64_t blk = row[i / bs], s = i % bs;
-            const float *vr = v_store + ((kvh * NB + blk) * bs + s) * D;
+            const int64_t vr = ((kvh * NB + blk) * bs + s) * D;
             float p = scores[i - first] * inv;
-            for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
+            for (int64_t d = 0; d < D; d++) o[d] += p * kv_get(v_store, vr + d, kt);
         }
     }
 }
@@ -266,24 +338,35 @@ static void decode_portable_part(const float *q, int64_t ldq, int64_t B, int64_t
 int64_t pg_paged_decode_scratch(int64_t max_slots) { return 4 * (max_slots + 32); }
 
 void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
-                          int64_t D, const float *k_store, const float *v_store, int64_t NB,
-                          int64_t bs, const int64_t *table, int64_t table_stride,
+                          int64_t D, int kv_type, const void *k_store, const void *v_store,
+                          int64_t NB, int64_t bs, const int64_t *table, int64_t table_stride,
                           const int64_t *lo, const int64_t *hi, int64_t max_slots, float scale,
                           float cap, float *out, float *scratch, const pg_team *team) {
 #ifdef PG_AVX2
     if (bs == 16 && D % 32 == 0 && D <= 256) {
-        decode_avx2_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, table, table_stride, lo,
-                         hi, max_slots, scale, cap, out, scratch, team);
+        decode_avx2_part(q, ldq, B, H, KVH, D, kv_type, k_store, v_store, NB, table,
+                         table_stride, lo, hi, max_slots, scale, cap, out, scratch, team);
         return;
     }
 #endif
-    decode_portable_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table, table_stride,
-                         lo, hi, max_slots, scale, cap, out, scratch, team);
+    switch (kv_type) { /* one copy of the loops per element type */
+    case PG_KV_F16:
+        decode_portable_part(q, ldq, B, H, KVH, D, PG_KV_F16, k_store, v_store, NB, bs, table,
+                             table_stride, lo, hi, max_slots, scale, cap, out, scratch, team);
+        break;
+    case PG_KV_BF16:
+        decode_portable_part(q, ldq, B, H, KVH, D, PG_KV_BF16, k_store, v_store, NB, bs, table,
+                             table_stride, lo, hi, max_slots, scale, cap, out, scratch, team);
+        break;
+    default:
+        decode_portable_part(q, ldq, B, H, KVH, D, PG_KV_F32, k_store, v_store, NB, bs, table,
+                             table_stride, lo, hi, max_slots, scale, cap, out, scratch, team);
+    }
 }
 
 int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                    const float *k_store, const float *v_store, int64_t NB, int64_t bs,
-                    const int64_t *table, int64_t table_stride, const int64_t *lo,
+                    int kv_type, const void *k_store, const void *v_store, int64_t NB,
+                    int64_t bs, const int64_t *table, int64_t table_stride, const int64_t *lo,
                     const int64_t *hi, int64_t max_slots, float scale, float cap, float *out) {
     atomic_int failed = 0;
     PG_TEAM_RUN(B * H * max_slots * D >= 32768, {
@@ -291,7 +374,7 @@ int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t K
         if (scratch == NULL) {
             atomic_store(&failed, 1);
         } else {
-            pg_paged_decode_part(q, ldq, B, H, KVH, D, k_store, v_store, NB, bs, table,
+            pg_paged_decode_part(q, ldq, B, H, KVH, D, kv_type, k_store, v_store, NB, bs, table,
                                  table_stride, lo, hi, max_slots, scale, cap, out, scratch, &team);
             free(scratch);
         }
@@ -300,29 +383,41 @@ int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t K
 }
 
 /* Key and value rows of T tokens ([T, KVH, D], rows ldk / ldv elements apart, heads D
- * apart) into their cache slots (slot = block * bs + offset). */
-void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
-                      int64_t T, int64_t KVH, int64_t D, float *k_store, float *v_store,
-                      int64_t NB, int64_t bs, const int64_t *slots, const pg_team *team) {
-    int64_t t0, t1;
-    pg_share_if(T * KVH * D >= 65536, T, team, &t0, &t1);
+ * apart) into their cache slots (slot = block * bs + offset), rounded to the cache's type. */
+static inline __attribute__((always_inline)) void write_kv_rows(
+    const int kt, const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t t0,
+    int64_t t1, int64_t KVH, int64_t D, void *k_store, void *v_store, int64_t NB, int64_t bs,
+    const int64_t *slots) {
     for (int64_t t = t0; t < t1; t++) {
         int64_t blk = slots[t] / bs, off = slots[t] % bs;
         for (int64_t h = 0; h < KVH; h++) {
             const float *kr = key + t * ldk + h * D, *vr = value + t * ldv + h * D;
-            float *kb = k_store + ((h * NB + blk) * D) * bs + off;
-            float *vb = v_store + ((h * NB + blk) * bs + off) * D;
+            const int64_t kb = ((h * NB + blk) * D) * bs + off, vb = ((h * NB + blk) * bs + off) * D;
             for (int64_t d = 0; d < D; d++) {
-                kb[d * bs] = kr[d];
-                vb[d] = vr[d];
+                kv_put(k_store, kb + d * bs, kr[d], kt);
+                kv_put(v_store, vb + d, vr[d], kt);
             }
         }
     }
 }
 
+void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                      int64_t T, int64_t KVH, int64_t D, int kv_type, void *k_store,
+                      void *v_store, int64_t NB, int64_t bs, const int64_t *slots,
+                      const pg_team *team) {
+    int64_t t0, t1;
+    pg_share_if(T * KVH * D >= 65536, T, team, &t0, &t1);
+    if (kv_type == PG_KV_F16)
+        write_kv_rows(PG_KV_F16, key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);
+    else if (kv_type == PG_KV_BF16)
+        write_kv_rows(PG_KV_BF16, key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);
+    else
+        write_kv_rows(PG_KV_F32, key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);
+}
+
 void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
-                 int64_t KVH, int64_t D, float *k_store, float *v_store, int64_t NB, int64_t bs,
-                 const int64_t *slots) {
-    PG_TEAM_RUN(T * KVH * D >= 65536, pg_write_kv_part(key, ldk, value, ldv, T, KVH, D, k_store,
-                                                       v_store, NB, bs, slots, &team));
+                 int64_t KVH, int64_t D, int kv_type, void *k_store, void *v_store, int64_t NB,
+                 int64_t bs, const int64_t *slots) {
+    PG_TEAM_RUN(T * KVH * D >= 65536, pg_write_kv_part(key, ldk, value, ldv, T, KVH, D, kv_type,
+                                                       k_store, v_store, NB, bs, slots, &team));
 }

@@ -46,6 +46,7 @@ class ModelRunner:
         self.cache_config = config.cache_config
         self.device = torch.device(config.device_config.device)
         self.dtype = self.model_config.torch_dtype
+        self.kv_dtype: torch.dtype = getattr(torch, self.cache_config.cache_dtype)
         self.block_size = self.cache_config.block_size
         self.max_model_len = self.model_config.max_model_len
         self.sampler = Sampler()
@@ -92,7 +93,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         m = self.model_config
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.kv_dtype.itemsize
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -126,7 +127,7 @@ class ModelRunner:
         # target of block tables and is zeroed now.
         self.kv_caches = [
             self.attn_backend.allocate_kv_cache(
-                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype, self.device
+                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device
             )
             for _ in range(m.num_layers)
         ]
@@ -146,11 +147,12 @@ class ModelRunner:
             vocab_size=m.vocab_size,
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s)",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_bytes_per_block() / (1 << 20),
             num_blocks * self.block_size,
+            self.cache_config.cache_dtype,
         )
 
     # -- one step ------------------------------------------------------------------------

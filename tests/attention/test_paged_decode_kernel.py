@@ -9,26 +9,32 @@ import torch
 
 from pagellm.attention.backend import CommonAttentionMetadata
 from pagellm.attention.torch_backend import (
+    KV_TYPE_CODES,
     TorchAttentionBackend,
     TorchAttentionImpl,
     TorchAttentionMetadataBuilder,
 )
+from pagellm.kernels import load_kernels
 
 BS, H, KVH, D = 4, 6, 2, 8
 
 
 def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0,
-                 geometry: tuple[int, int, int, int] = (BS, H, KVH, D)) -> tuple[torch.Tensor, ...]:
+                 geometry: tuple[int, int, int, int] = (BS, H, KVH, D),
+                 kv_dtype: torch.dtype = torch.float32, lib: object = None) -> tuple[torch.Tensor, ...]:
     """Fill a cache with random K/V for every request's context through prefill-sized
     writes, then run one decode step; returns (output, K cache, V cache). geometry:
-    (block size, query heads, KV heads, head dim)."""
+    (block size, query heads, KV heads, head dim); kv_dtype: the cache's storage; lib:
+    the kernel library to use (default: the SIMD build)."""
     BS, H, KVH, D = geometry  # noqa: N806
     gen = torch.Generator().manual_seed(seed)
     nb = 64
-    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, torch.float32, torch.device("cpu"))
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, kv_dtype, torch.device("cpu"))
     k_cache.zero_()
     v_cache.zero_()
     impl = TorchAttentionImpl(H, D, D**-0.5, KVH)
+    if lib is not None:  # another build of the kernels
+        impl.kernels = lib
     if not use_c:
         impl.kernels = None
     assert (impl.kernels is not None) == use_c
@@ -92,6 +98,61 @@ def test_c_decode_equals_torch_decode(seq_lens: list[int], window: int | None,
     t_out, t_k, t_v = _decode_step(seq_lens, window, use_c=False, geometry=geometry)
     assert torch.equal(c_k, t_k) and torch.equal(c_v, t_v)  # the write is a copy
     torch.testing.assert_close(c_out, t_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("seq_lens", [[1], [7, 1, 30], [200, 9]])
+def test_c_decode_over_a_half_width_cache(seq_lens: list[int], window: int | None,
+                                          geometry: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype float16 / bfloat16: the C write rounds as torch's conversion does
+    (bit for bit, ties to even), and the C decode widening the values as it reads them
+    equals the torch path's gathered float32 products; against a float32 cache of the same
+    K/V it differs by the storage's rounding only."""
+    if geometry[0] * 16 < max(seq_lens):
+        pytest.skip("longer than the blocks this cache gives a request")
+    c_out, c_k, c_v = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=kv_dtype)
+    p_out, p_k, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=kv_dtype,
+                                 lib=load_kernels(simd=False))  # the portable loops and rounding
+    assert torch.equal(p_k, c_k)
+    torch.testing.assert_close(p_out, c_out, rtol=1e-5, atol=1e-6)
+    t_out, t_k, t_v = _decode_step(seq_lens, window, use_c=False, geometry=geometry, kv_dtype=kv_dtype)
+    assert c_k.dtype == kv_dtype and torch.equal(c_k, t_k) and torch.equal(c_v, t_v)
+    torch.testing.assert_close(c_out, t_out, rtol=1e-5, atol=1e-6)
+    f32_out, f32_k, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry)
+    assert torch.equal(f32_k.to(kv_dtype), c_k)  # the same values, rounded once
+    rounding = {torch.float16: 2e-3, torch.bfloat16: 2e-2}[kv_dtype]
+    torch.testing.assert_close(c_out, f32_out, rtol=rounding, atol=rounding)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+def test_half_width_write_rounds_edge_values_as_torch_does(simd: bool) -> None:
+    """The C cache write's float16 / bfloat16 rounding on the values where rounding is
+    hard (ties, subnormals, overflow to infinity, NaN, signed zeros), in the SIMD build
+    (F16C's conversion) and the portable one (by the bits), and the portable decode reading
+    them back."""
+    specials = torch.tensor([0.0, -0.0, 1.0, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 2.0**-24,
+                             2.0**-25, 1.5 * 2.0**-25, 3 * 2.0**-26, 2.0**-14, 2.0**-15 * 1.0009765625,
+                             1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8,
+                             float("inf"), -float("inf"), float("nan")])
+    gen = torch.Generator().manual_seed(5)
+    values = torch.cat([specials, torch.randn(4096 - len(specials), generator=gen) * 10.0 ** torch.randint(-8, 6, (4096 - len(specials),), generator=gen)])
+    impl = TorchAttentionImpl(1, 32, 1.0, 1)
+    impl.kernels = load_kernels(simd)
+    if impl.kernels is None:
+        pytest.skip("no C compiler: the kernels are not built")
+    rows = values.view(128, 1, 32)
+    for dtype in (torch.float16, torch.bfloat16):
+        k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(8, 16, 1, 32, dtype, torch.device("cpu"))
+        k_store, v_store = impl.cache_storage((k_cache, v_cache))
+        slots = torch.arange(128)
+        impl.kernels.pg_write_kv(rows.data_ptr(), 32, rows.data_ptr(), 32, 128, 1, 32, KV_TYPE_CODES[dtype],
+                                 k_store.data_ptr(), v_store.data_ptr(), 8, 16, slots.data_ptr())
+        expected = rows.to(dtype)
+        for got in (k_cache.reshape(128, 1, 32), v_cache.reshape(128, 1, 32)):
+            assert torch.equal(got.view(torch.int16)[~expected.isnan()], expected.view(torch.int16)[~expected.isnan()])
+            assert torch.equal(got.isnan(), expected.isnan())
 
 
 @pytest.mark.parametrize("bs,d", [(4, 2), (16, 32)], ids=["portable", "simd"])

@@ -12,6 +12,10 @@ perplexity 23.488:
   the exact path's two best logits are within 0.5 of each other (31% of positions here).
   The issue's bound of 98% is out of reach for one level on this model: keeping a quarter
   or half of the layers exact moves it only to 96.3-96.5%.
+- q8 with a float16 KV cache (what `kv_cache_dtype="auto"` picks on CPU for it; measured
+  on an AMD EPYC with AVX-512, where q8 alone gave +0.41% and 96.2%): perplexity +0.09%,
+  top-1 equal at 95.7%. The float16 cache alone, on the exact path: perplexity -0.006%,
+  top-1 equal at 100% (bfloat16: +0.07%, 99.7%); the q8 near-ties are what moves.
 - q8x2 (two levels everywhere): perplexity +0.0002%, top-1 equal at 100%.
 (benchmarks/perplexity.py measures the same with llama-perplexity's protocol.)"""
 
@@ -33,8 +37,11 @@ WINDOWS = 8
 
 BOUNDS = {  # path: (|perplexity / exact perplexity - 1| at most, top-1 agreement at least)
     "q8": (0.01, 0.95),  # the issue's 1%; the measured top-1 floor (96.0%) less a margin
+    "q8+kv16": (0.01, 0.95),  # the CPU default: q8 with the float16 KV cache auto picks
     "q8x2": (0.001, 0.995),
 }
+KV_DTYPES = {"q8+kv16": torch.float16}
+"""Paths whose KV cache is not the float32 the others keep."""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,8 @@ def exact(default_model_path: str, windows: list[list[int]]) -> tuple[torch.Tens
     return _read(default_model_path, windows, "float32")
 
 
-def _read(model_path: str, windows: list[list[int]], activations: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _read(model_path: str, windows: list[list[int]], activations: str,
+          kv_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(negative log-likelihood of each next token, the argmax) over the windows, each
     position a decode row of an 8-row step."""
     length = len(windows[0])
@@ -59,7 +67,7 @@ def _read(model_path: str, windows: list[list[int]], activations: str) -> tuple[
                            max_model_len=1024)
     model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
     assert model.lm_head.quant_method.q8_activations == (activations != "float32")
-    runner = PagedRunner(model, mc, num_blocks=WINDOWS * (length // 16 + 2))
+    runner = PagedRunner(model, mc, num_blocks=WINDOWS * (length // 16 + 2), kv_dtype=kv_dtype)
     for i, w in enumerate(windows):
         runner.add(str(i), w)
     nll, top = [], []
@@ -83,9 +91,11 @@ def test_int8_paths_stay_within_bounds_of_the_exact_path(
         pytest.skip("no int8-activation kernels in this build (x86 with AVX2, FMA, F16C needed)")
     nll_exact, top_exact = exact
     assert 15 < math.exp(nll_exact.mean().item()) < 40  # read as English (measured 23.5)
-    nll, top = _read(default_model_path, windows, activations)
+    nll, top = _read(default_model_path, windows, activations.split("+")[0],
+                     KV_DTYPES.get(activations, torch.float32))
     ratio = math.exp(nll.mean().item() - nll_exact.mean().item())
     agreement = (top == top_exact).double().mean().item()
     ppl_bound, top1_floor = BOUNDS[activations]
+    print(f"{activations}: perplexity x{ratio:.5f}, top-1 agreement {agreement:.4f}")
     assert abs(ratio - 1) <= ppl_bound, ratio
     assert agreement >= top1_floor, agreement

@@ -8,7 +8,8 @@ cache (the step's K/V are written first; `RowAttention`), where the module path 
 SDPA per chunk: the same attention up to summation order (1e-5 relative).
 
 In: the loaded LlamaModel (GGUF linears on the CPU kernels, or float32 weights the
-kernels read in place; the torch attention backend with its C kernels, float32) and a
+kernels read in place; the torch attention backend with its C kernels, a float32,
+float16 or bfloat16 cache) and a
 step's embeddings, rope tables and forward context.
 Out: (last MLP output, residual stream) for the final norm, or None where the step or the
 model does not qualify (more than ROW_ATTENTION_MAX_ROWS rows, other kernels): the module
@@ -25,6 +26,7 @@ import torch
 
 from pagellm.attention.backend import get_forward_context
 from pagellm.attention.torch_backend import (
+    KV_TYPE_CODES,
     ROW_ATTENTION_MAX_ROWS,
     TorchAttentionImpl,
     TorchAttentionMetadata,
@@ -116,7 +118,7 @@ class _View(ctypes.Structure):  # pg_attn_view
 
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
-        *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs",
+        *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs", "kv_type",
                               "direct_rows", "n_q8", "int8_levels")],
         ("eps", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "q8_rows")],
@@ -264,6 +266,7 @@ class FusedDecodeStack:
             )  # fmt: skip
         self._keep.append(ropes)  # the tables the layers point into
         self._caches: Any = None  # the kv_caches list whose pointers _layers holds
+        self.kv_type: int | None = None  # the caches' element type, KV_TYPE_CODES
         self.max_rows = min(_max_rows(m) for p in parts for m in _linears(p))
         """Rows a step may have: as many as every linear's C product takes on the module
         path (above, the module path runs torch's products)."""
@@ -330,6 +333,7 @@ class FusedDecodeStack:
             self._layers[i].k_store = k_store.data_ptr()
             self._layers[i].v_store = v_store.data_ptr()
             self.NB, self.bs = k_store.shape[1], k_store.shape[3]
+            self.kv_type = KV_TYPE_CODES.get(k_store.dtype)
         self._caches = kv_caches
 
     def _views(self, t: int) -> list[Any] | None:
@@ -372,8 +376,10 @@ class FusedDecodeStack:
         md = ctx.metadata_for(self.windows[0])
         if ctx.kv_caches is not self._caches:
             self._bind_caches(ctx.kv_caches)
+        if self.kv_type is None:  # a cache type the C attention does not read
+            return None
         s, width = self._step, x.shape[1]
-        s.NB, s.bs = self.NB, self.bs
+        s.NB, s.bs, s.kv_type = self.NB, self.bs, self.kv_type
         for i, rows in enumerate(views):
             s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)
