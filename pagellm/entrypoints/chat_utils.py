@@ -51,11 +51,14 @@ def apply_chat_template(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     bounded: bool = False,
+    generic_tools: bool = False,
     **kwargs: Any,
 ) -> str:
     """Renders a conversation. Tools (and a history's tool calls and results) go to a
     template that renders them itself; a template that knows no tools gets them as a
-    generic tool prompt, and the history's tool turns as plain text.
+    generic tool prompt, and the history's tool turns as plain text. generic_tools: the
+    generic prompt even for a template that renders tools (one whose call format the
+    server cannot read).
 
     bounded: `chat_template` came in a request: it renders in pagellm's bounded sandbox
     (template_sandbox.py: internals refused, output size and render time capped) instead
@@ -67,18 +70,19 @@ def apply_chat_template(
         )
     from pagellm.entrypoints.openai.tool_parsers.generic_prompt import (
         add_generic_tool_prompt,
+        ends_in_tool_results,
         flatten_tool_messages,
     )
 
     messages = validate_messages(messages)
-    if _supports_tools(template):
+    if _supports_tools(template) and not generic_tools:
         messages = [_arguments_as_objects(m) for m in messages]
         if tools:
             kwargs["tools"] = tools
-    elif tools:
-        messages = add_generic_tool_prompt(messages, tools)
     else:
-        messages = flatten_tool_messages(messages)
+        continues = ends_in_tool_results(messages)
+        messages = add_generic_tool_prompt(messages, tools) if tools else flatten_tool_messages(messages)
+        continue_final_message = continue_final_message or continues  # the turn with the results
     import jinja2
 
     if bounded:

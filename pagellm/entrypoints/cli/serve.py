@@ -35,11 +35,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "the server runs it. It renders in a bounded sandbox: no Python internals, "
                         "1 MiB of output (plus twice the conversation), 1 s.")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="Let the model decide when to call tools (tool_choice 'auto'); needs "
-                        "--tool-call-parser to read the calls from its output.")
+                   help="Accepted for vLLM scripts: tool_choice 'auto' (OpenAI's default with tools) "
+                        "works without it, in the format the chat template teaches (hermes, "
+                        "llama3_json, pythonic), or, for a template without one, with the generic "
+                        "tool prompt and the reply held to text or tool calls.")
     p.add_argument("--tool-call-parser", default=None,
-                   help="How the model writes tool calls: hermes (<tool_call>{...}</tool_call>, also "
-                        "what the generic tool prompt asks for), llama3_json or pythonic.")
+                   help="How the model writes tool calls, instead of the format read from the chat "
+                        "template: hermes (<tool_call>{...}</tool_call>, also what the generic tool "
+                        "prompt asks for), llama3_json or pythonic. The reply is then not held to a "
+                        "grammar (vLLM's behaviour).")
     p.add_argument("--disable-ui", action="store_true",
                    help="Serve the API only: no chat page at / and no dashboard at /dashboard.")
     p.add_argument("--max-num-queued-requests", type=_non_negative(int), default=None,

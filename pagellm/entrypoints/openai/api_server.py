@@ -139,6 +139,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                              reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
                              model_aliases=model_aliases)
     app.state.engine = engine
+    app.state.tool_format = chat.tool_format().describe()
     sched = engine.config.scheduler_config
     admission = Admission(max_num_queued_requests,
                           sched.max_num_seqs * engine.config.parallel_config.data_parallel_size)
@@ -302,6 +303,7 @@ def run_server(args: Any) -> int:
                     max_num_queued_requests=args.max_num_queued_requests,
                     metrics_require_api_key=args.metrics_require_api_key,
                     limits=ServingLimits.from_cli_args(args))
+    logger.info("Tool calls with tool_choice auto: %s", app.state.tool_format)
 
     server: Any = None
     exit_status = 0
@@ -351,8 +353,7 @@ def run_server(args: Any) -> int:
 def _check_tool_flags(args: Any) -> None:
     from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
 
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic).")
+    # --enable-auto-tool-choice alone is vLLM's spelling of what pagellm always does.
     if args.tool_call_parser:
         get_tool_parser(args.tool_call_parser)  # ValueError naming the accepted parsers
 

@@ -3,13 +3,16 @@ or SSE chunks (first chunk carries the role, the last one the finish reason).
 
 Tools: `tool_choice` "required" or a named function constrains the output with a JSON
 schema (structured outputs) and reads it back as tool calls; "auto" parses the model's
-own tool-call syntax with the server's `--tool-call-parser`. Templates without tools
-support get a generic tool prompt. With `--reasoning-parser`, `<think>` text is returned
-as `reasoning_content`.
+own tool-call syntax, read with the parser of the format its chat template teaches
+(tool_format.py) or the server's `--tool-call-parser`. A template with no format read
+here gets the generic tool prompt, and under "auto" a grammar holds the reply to text
+or calls that fit the tools (llama.cpp's generic handler). With `--reasoning-parser`,
+`<think>` text is returned as `reasoning_content`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     usage,
 )
 from pagellm.entrypoints.openai.tool_parsers import ToolCallStreamer, ToolParser, get_tool_parser
+from pagellm.entrypoints.openai.tool_parsers.generic_prompt import generic_tool_reply_grammar
 from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
     InvalidToolRequest,
     constrained_tool_call_streamer,
@@ -46,6 +50,7 @@ from pagellm.entrypoints.openai.tool_parsers.tool_choice import (
     validate_tool_choice,
     validate_tools,
 )
+from pagellm.entrypoints.openai.tool_parsers.tool_format import template_tool_parser
 from pagellm.outputs import CompletionOutput
 from pagellm.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -66,8 +71,31 @@ class _ToolPlan:
     choice: str | dict[str, Any] = "none"
     # "required" or a named tool: the output is constrained to tool calls.
     constrained: bool = False
-    # "auto" with a tool-call parser: the model's text is parsed for tool calls.
-    parse_auto: bool = False
+    # "auto": the parser that reads tool calls from the model's text.
+    parser: ToolParser | None = None
+    # The tools go in the generic prompt even if the template renders tools (it teaches
+    # a format no parser here reads).
+    generic: bool = False
+    # "auto" under the generic prompt: the reply is held to text or calls to the tools.
+    reply_grammar: bool = False
+
+
+@dataclass(frozen=True)
+class _ToolFormat:
+    """How "auto" tool calls are written and read for one chat template."""
+
+    parser: str
+    # from the template's own tool format (False: the generic prompt)
+    native: bool
+    # --tool-call-parser chose it
+    from_flag: bool = False
+
+    def describe(self) -> str:
+        if self.from_flag:
+            return f"{self.parser} (--tool-call-parser)"
+        if self.native:
+            return f"{self.parser}, the chat template's format"
+        return "the generic tool prompt (hermes syntax), replies held to text or tool calls"
 
 
 @dataclass
@@ -83,10 +111,11 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args: Any, tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # vLLM's flags, accepted and overriding the format read from the template; "auto"
+        # works without them (a deliberate difference: vLLM refuses it).
         self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.tool_parser: ToolParser | None = (
-            get_tool_parser(tool_call_parser)(self.tokenizer) if tool_call_parser else None
-        )
+        self.tool_call_parser = tool_call_parser
+        self._parsers: dict[str, ToolParser] = {}
         self.reasoner: ReasoningParser | None = (
             get_reasoning_parser(reasoning_parser)(self.tokenizer) if reasoning_parser else None
         )
@@ -99,16 +128,27 @@ class OpenAIServingChat(OpenAIServing):
             choice = validate_tool_choice(request.tool_choice, specs)
         except InvalidToolRequest as e:
             raise OpenAIError(str(e), param=e.param) from e
-        if not specs:
-            return _ToolPlan()
-        if choice == "auto" and not (self.enable_auto_tool_choice and self.tool_parser is not None):
-            raise OpenAIError(
-                '"auto" tool choice requires the server to be started with --enable-auto-tool-choice '
-                "and --tool-call-parser; use tool_choice \"required\" or a named function instead.",
-                param="tool_choice",
-            )
-        return _ToolPlan(choice=choice, constrained=choice == "required" or isinstance(choice, dict),
-                         parse_auto=choice == "auto")
+        if not specs or choice == "none":
+            return _ToolPlan(choice=choice)
+        if choice != "auto":
+            return _ToolPlan(choice=choice, constrained=True)
+        fmt = self.tool_format(request.chat_template or (request.chat_template_kwargs or {}).get("chat_template"))
+        return _ToolPlan(choice=choice, parser=self._parser(fmt.parser), generic=not fmt.native,
+                         reply_grammar=not fmt.native and not fmt.from_flag)
+
+    def tool_format(self, request_template: str | None = None) -> _ToolFormat:
+        """The format of "auto" tool calls: --tool-call-parser's, else the one the chat
+        template teaches, else the generic prompt's (hermes syntax)."""
+        if self.tool_call_parser:
+            return _ToolFormat(self.tool_call_parser, native=True, from_flag=True)
+        template = request_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        name = template_tool_parser(template) if isinstance(template, str) else None
+        return _ToolFormat(name or "hermes", native=name is not None)
+
+    def _parser(self, name: str) -> ToolParser:
+        if name not in self._parsers:
+            self._parsers[name] = get_tool_parser(name)(self.tokenizer)
+        return self._parsers[name]
 
     def _render(self, request: ChatCompletionRequest, plan: _ToolPlan) -> str:
         kwargs = dict(request.chat_template_kwargs or {})
@@ -128,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
             return apply_chat_template(
                 self.tokenizer, request.messages, sent_template or self.chat_template,
                 request.add_generation_prompt, request.continue_final_message,
-                tools=request.tools if plan.choice != "none" else None,
+                tools=request.tools if plan.choice != "none" else None, generic_tools=plan.generic,
                 bounded=sent_template is not None, **kwargs,  # a request's template: bounded sandbox
             )
         except ChatTemplateError as e:
@@ -145,13 +185,20 @@ class OpenAIServingChat(OpenAIServing):
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.validate_length(ids, request.requested_max_tokens, param)
         params = request.to_sampling_params(max_tokens)
-        if plan.parse_auto:
+        if plan.parser is not None:
             params.skip_special_tokens = False  # tool-call markers may be special tokens
         self.check_sampling_params(params)
         return prompt, ids, params, plan
 
-    def _constraint(self, request: ChatCompletionRequest, plan: _ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
+    async def _constraint(self, request: ChatCompletionRequest, plan: _ToolPlan) -> tuple[StructuredOutputsParams | None, str | None]:
         constraint, field_name = self.requested_constraint(request)
+        if plan.reply_grammar and constraint is None:  # a request's own constraint wins
+            try:
+                grammar = await asyncio.to_thread(generic_tool_reply_grammar, request.tools,
+                                                  request.parallel_tool_calls)
+            except InvalidToolRequest as e:
+                raise OpenAIError(str(e), param=e.param) from e
+            return StructuredOutputsParams(grammar=grammar), "tools"
         if not plan.constrained:
             return constraint, field_name
         if constraint is not None:
@@ -163,7 +210,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest,
                      request_id: str | None = None) -> ChatCompletionResponse | AsyncIterator[str]:
         prompt, ids, params, plan = self._prepare(request)
-        constraint, field_name = self._constraint(request, plan)
+        constraint, field_name = await self._constraint(request, plan)
         await self.attach_structured_outputs(params, constraint, field_name)
         request_id = f"chatcmpl-{request_id}" if request_id else random_id("chatcmpl")
         gen = self.engine.generate({"prompt_token_ids": ids, "prompt": prompt}, params, request_id,
@@ -209,11 +256,10 @@ class OpenAIServingChat(OpenAIServing):
                 content = None
             except ValueError:
                 pass  # cut short (max_tokens): the text is returned as it is
-        elif plan.parse_auto and content and self.tool_parser is not None:
-            extracted = self.tool_parser.extract_tool_calls(content)
-            if extracted.tools_called:
-                calls = [c.to_dict() for c in extracted.tool_calls]
-                content = extracted.content
+        elif plan.parser is not None and content:
+            extracted = plan.parser.extract_tool_calls(content)
+            calls = [c.to_dict() for c in extracted.tool_calls]
+            content = extracted.content  # stripped, as the streamed pieces are
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return ChatMessage(role="assistant", content=content, reasoning_content=reasoning, tool_calls=calls), finish_reason
@@ -244,8 +290,8 @@ class OpenAIServingChat(OpenAIServing):
         tools: ToolCallStreamer | None = None
         if plan.constrained:
             tools = constrained_tool_call_streamer(request.tools, plan.choice)
-        elif plan.parse_auto and self.tool_parser is not None:
-            tools = self.tool_parser.streamer()
+        elif plan.parser is not None:
+            tools = plan.parser.streamer()
         return _StreamState(reasoning=self.reasoner.streamer() if self.reasoner else None, tools=tools)
 
     @staticmethod

@@ -11,6 +11,7 @@ import pytest
 from pagellm.entrypoints.openai.tool_parsers import get_tool_parser
 from pagellm.entrypoints.openai.tool_parsers.generic_prompt import (
     add_generic_tool_prompt,
+    ends_in_tool_results,
     flatten_tool_messages,
     render_generic_tool_prompt,
     template_supports_tools,
@@ -82,21 +83,31 @@ HISTORY = [
 
 
 def test_flatten_tool_messages_exact():
+    # the results join the turn with the calls, without the (random) call ids or names
     assert flatten_tool_messages(HISTORY) == [
         {"role": "user", "content": "Weather in SF and the time?"},
         {
             "role": "assistant",
             "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "SF"}}</tool_call>\n'
-            '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
-        },
-        {
-            "role": "user",
-            "content": '<tool_response>\n{"tool_call_id": "call_1", "name": "get_weather", '
-            '"content": "18 C, fog"}\n</tool_response>\n'
-            '<tool_response>\n{"tool_call_id": "call_2", "name": "now", "content": "09:30"}\n'
-            "</tool_response>",
+            '<tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+            "<tool_response>\n18 C, fog\n</tool_response>\n<tool_response>\n09:30\n</tool_response>",
         },
     ]
+    assert ends_in_tool_results(HISTORY)
+    assert not ends_in_tool_results([*HISTORY, {"role": "user", "content": "Thanks"}])
+    assert not ends_in_tool_results(HISTORY[:2])
+
+
+def test_tool_results_without_a_call_are_a_user_turn():
+    orphans = [HISTORY[0], HISTORY[2], HISTORY[3]]
+    assert flatten_tool_messages(orphans) == [
+        HISTORY[0],
+        {
+            "role": "user",
+            "content": "<tool_response>\n18 C, fog\n</tool_response>\n<tool_response>\n09:30\n</tool_response>",
+        },
+    ]
+    assert not ends_in_tool_results(orphans)
 
 
 def test_flattened_history_renders_in_a_template_without_tools_and_parses_back():
@@ -113,13 +124,14 @@ def test_flattened_history_renders_in_a_template_without_tools_and_parses_back()
     )
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools\n")
     text = template.render(messages=messages)
-    assert "<|user|><tool_response>" in text and text.endswith("<|assistant|>")
+    assert "</tool_call>\n<tool_response>" in text and text.endswith("<|assistant|>")
     # the assistant turn, as rendered, is what the hermes parser reads back
     result = get_tool_parser("hermes")().extract_tool_calls(messages[2]["content"])
     assert [(c.function.name, json.loads(c.function.arguments)) for c in result.tool_calls] == [
         ("get_weather", {"city": "SF"}),
         ("now", {}),
     ]
+    assert result.content.startswith("<tool_response>")  # results are not calls
     without_system = add_generic_tool_prompt(HISTORY[:1], [NOARGS_TOOL])
     assert without_system[0]["role"] == "system" and without_system[1] == HISTORY[0]
 

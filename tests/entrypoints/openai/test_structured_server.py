@@ -177,6 +177,9 @@ def test_constrained_tool_calls_streamed_equal_unstreamed(client, model, tool_ch
         temperature=0,
         parallel_tool_calls=False,
     )
+    # Both compared runs find the prompt in the prefix cache: a first, uncached run may
+    # differ in a near-tie (its last prompt token's logits come from the whole prefill).
+    client.chat.completions.create(**{**body, "max_tokens": 1})
     choice = client.chat.completions.create(**body).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls
@@ -377,11 +380,6 @@ BAD_STRUCTURED = [
                 "json_schema": {"name": "x", "schema": {"type": "object"}},
             },
         },
-        "tool_choice",
-    ),
-    (
-        "/v1/chat/completions",
-        {"messages": _HI, "tools": TOOLS, "tool_choice": "auto"},
         "tool_choice",
     ),
 ]

@@ -148,6 +148,20 @@ def tool_choice_json_schema(
         return copy.deepcopy(spec.get("parameters") or EMPTY_PARAMETERS)
     if choice != "required":
         return None
+    items, defs = call_object_schemas(specs, "parameters")
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    schema.update(defs)
+    return schema
+
+
+def call_object_schemas(
+    specs: list[dict[str, Any]], arguments_key: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One schema per tool of a call object `{"name": <the tool's name>, <arguments_key>:
+    <its parameters>}`, and the tools' `$defs` / `definitions`, merged, for the root of the
+    schema that holds the call objects (where `#/$defs/...` references resolve)."""
     items: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for i, spec in enumerate(specs):
@@ -164,17 +178,13 @@ def tool_choice_json_schema(
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [spec["name"]]},
-                    "parameters": params,
+                    arguments_key: params,
                 },
-                "required": ["name", "parameters"],
+                "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if parallel_tool_calls is False:
-        schema["maxItems"] = 1
-    schema.update(defs)
-    return schema
+    return items, defs
 
 
 def tool_calls_from_constrained_output(
