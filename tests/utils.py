@@ -240,7 +240,8 @@ class PagedRunner:
     def append(self, seq_id: str, token_id: int) -> None:
         self.seqs[seq_id].tokens.append(token_id)
 
-    def step(self, chunks: list[tuple[str, int]]) -> torch.Tensor:
+    def step(self, chunks: list[tuple[str, int]], every_row: bool = False) -> torch.Tensor:
+        """every_row: the logits of every row of the step, not only each chunk's last."""
         ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         for seq_id, n in chunks:
             seq = self.seqs[seq_id]
@@ -264,7 +265,7 @@ class PagedRunner:
             set_forward_context(metadata, self.kv_caches, None, by_window),
         ):
             hidden = self.model(t(ids), t(positions))
-            return self.model.compute_logits(hidden[t(qsl[1:]) - 1])
+            return self.model.compute_logits(hidden if every_row else hidden[t(qsl[1:]) - 1])
 
     def _common(
         self, chunks: list[tuple[str, int]], ids: list[int], qsl: list[int],

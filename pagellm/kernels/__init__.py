@@ -7,6 +7,8 @@ the system's C compiler at first use and cached under
   block at a time and used against every row (batched decode, prefill)
 - `ggml_q8.c`: the same weights x int8-rounded activations (llama.cpp's way; the default
   for decode-sized steps where the CPU has AVX2: AVX-512 VNNI kernels chosen at run time)
+- `ggml_i8gemm.c`: many input rows (a prompt's) x the same weights in int8: weight rows
+  unpacked 16 at a time into a row-interleaved int8 tile, AVX-512 VNNI where present
 - `dense_f32.c`: float32 weights read in place from torch's oneDNN-packed copy, for a
   few input rows (layers/linear.py)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
@@ -152,6 +154,11 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gemm_q8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64]
     lib.pg_gemm_q8.restype = ctypes.c_int
     lib.pg_q8_isa.restype = ctypes.c_int
+    lib.pg_i8gemm_supported.argtypes = [ctypes.c_int]
+    lib.pg_i8gemm_supported.restype = ctypes.c_int
+    lib.pg_i8gemm_fast.restype = ctypes.c_int
+    lib.pg_gemm_i8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
+    lib.pg_gemm_i8.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, i64,
                                     i64, ptr, i64, ptr, ptr, i64, ctypes.c_float, ctypes.c_float,
                                     ptr]

@@ -105,12 +105,17 @@ class GGUFConfig(QuantizationConfig):
             if activations == "float32":
                 logger.info("GGUF linears: float32 activations (the exact path)")
             else:
+                lib = load_kernels()
+                prompt = (f"prompt chunks over {BATCHED_MAX_ROWS} rows int8 too (AVX-512 VNNI "
+                          "GEMM), shorter ones float32"
+                          if activations == "q8" and lib is not None and lib.pg_i8gemm_fast()
+                          else "prompt rows float32")
                 logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
-                            "rounded to int8 in %s (%s), the head's in two; prompt rows float32; "
+                            "rounded to int8 in %s (%s), the head's in two; %s; "
                             "gguf_activations='float32' (PAGELLM_GGUF_ACTIVATIONS=float32) for "
                             "the exact path", Q8_MAX_ROWS,
                             "one level" if activations == "q8" else "two levels",
-                            "llama.cpp's scheme" if activations == "q8" else "q8x2")
+                            "llama.cpp's scheme" if activations == "q8" else "q8x2", prompt)
 
     @classmethod
     def get_name(cls) -> str:
@@ -253,7 +258,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.q8_activations:  # float32 rows take the batched kernel at any count
             y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(x.shape[0]),
-                            float_direct_rows=0, int8_levels=self.int8_levels)
+                            float_direct_rows=0, int8_levels=self.int8_levels,
+                            int8_prompt=self.int8_levels == 1)
         else:
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
@@ -305,7 +311,8 @@ def _scratch_tile(values: int) -> torch.Tensor:
 
 def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
                 q8_rows: slice | torch.Tensor | None = None,
-                float_direct_rows: int = DIRECT_MAX_ROWS, int8_levels: int = 1) -> torch.Tensor:
+                float_direct_rows: int = DIRECT_MAX_ROWS, int8_levels: int = 1,
+                int8_prompt: bool = False) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, n_out] for W given as block-matrix groups.
     `q8_rows` (see int8_rows) multiply int8-rounded activations where a
     group's type has a q8 kernel (ggml_q8.c); other rows and groups keep float32, through
@@ -313,7 +320,10 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     gives 0: pg_gemm_batched's sums do not depend on the row count, so a prompt's float
     rows get the same numbers whatever else its step holds (the direct kernel's differ in
     rounding, which int8 rounding downstream could turn into a different token).
-    `int8_levels` 2 rounds the int8 rows in two levels (HEAD_INT8_LEVELS)."""
+    `int8_levels` 2 rounds the int8 rows in two levels (HEAD_INT8_LEVELS).
+    `int8_prompt`: a product of more than BATCHED_MAX_ROWS rows (a long prompt chunk) rounds
+    its other rows to int8 too and multiplies them in the int8 GEMM (ggml_i8gemm.c), where
+    the CPU has its AVX-512 VNNI kernel (PROMPT_INT8)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
@@ -323,7 +333,11 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
                  if q8_rows is not None and k % 32 == 0 else [])  # fmt: skip
     every = bool(q8_groups) and isinstance(q8_rows, slice) and (q8_rows.start, q8_rows.stop) == (0, m)
     float_groups = [g for g in groups if g not in q8_groups] if every else groups
-    y = _float_product(lib, float_groups, x, n_out, float_direct_rows) if float_groups else None
+    y = None
+    if int8_prompt and m > BATCHED_MAX_ROWS and k % 32 == 0 and lib.pg_i8gemm_fast():
+        y, float_groups = _int8_prompt_product(lib, float_groups, x, n_out)
+    if float_groups:
+        y = _float_product(lib, float_groups, x, n_out, float_direct_rows, y)
     if not q8_groups:
         return y
     # every row: the q8 groups' columns of y; some rows: those rows again, into a scratch
@@ -344,13 +358,30 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     return y
 
 
+def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
+                         n_out: int) -> tuple[torch.Tensor, list[WeightGroup]]:
+    """x @ W.T with x rounded to int8 (one level) for the groups the int8 GEMM takes, into
+    their columns of a new result; returns it and the groups left for float32."""
+    m, k = x.shape
+    y = torch.empty(m, n_out, dtype=torch.float32)
+    qx, dx, sx = _quantize_q8(lib, x)
+    rest = []
+    for g in groups:
+        if not lib.pg_i8gemm_supported(g.qtype):
+            rest.append(g)
+        elif lib.pg_gemm_i8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
+                            sx.data_ptr(), m, y.data_ptr() + 4 * g.row_start, n_out):
+            raise RuntimeError(f"GGUF int8 GEMM failed for type {g.qtype}")
+    return y, rest
+
+
 def _float_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor, n_out: int,
-                   direct_rows: int) -> torch.Tensor:
-    """x @ W.T on float32 activations for `groups` (the other columns of the result are
-    left unset)."""
+                   direct_rows: int, y: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T on float32 activations for `groups`, into their columns of `y` (a new
+    result when None; its other columns are left as they are)."""
     m, k = x.shape
     if m <= BATCHED_MAX_ROWS:  # one kernel call per group, into its columns of y
-        y = torch.empty(m, n_out, dtype=torch.float32)
+        y = torch.empty(m, n_out, dtype=torch.float32) if y is None else y
         gemm = lib.pg_gemm if m <= direct_rows else lib.pg_gemm_batched
         x_ptr, y_ptr = x.data_ptr(), y.data_ptr()
         for g in groups:
@@ -369,7 +400,7 @@ def _float_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor, n_out: 
             lib.pg_dequant_rows(g.qtype, g.ptr, g.row_bytes, k, None, r0, rows,
                                 tile.data_ptr())
             part = _dense_matmul(x, tile.view(rows, k))
-            if rows == n_out:
+            if rows == n_out and y is None:
                 return part
             if y is None:
                 y = torch.empty(m, n_out, dtype=torch.float32)

@@ -1,0 +1,345 @@
+/* Many input rows x GGUF weights in 8-bit integers: a prompt's rows, quantized per 32
+ * values as ggml_q8.c does (pg_quantize_q8: int8 q, scale d, sums per 16), against weight
+ * rows unpacked 16 at a time into an int8 tile that every input row then reads.
+ *
+ * A weight value is w = s * u - m with u an unsigned 8-bit integer: s and m per 32 values
+ * (Q4_1, Q5_1, Q4_K, Q5_K: "affine"), or m = off * s, the type's zero point (Q4_0 8, Q5_0
+ * 16, Q8_0 128 with u = q + 128; Q6_K 32, with s per 16 values: "signed"). Then for input
+ * group x ~ d q:
+ *
+ *     sum w x = s d sum(u q) - m d sum(q)            affine
+ *             = s d (sum(u q) - off sum(q))          signed (exact integers, then one scale)
+ *
+ * Tile of 16 weight rows (one per 32-bit lane), per 32-value group j:
+ *     u8 [8][16][4]: bytes 4c .. 4c+3 of group j of each row, for c = 0..7 (512 bytes)
+ *     float s[16] (signed per 16 values: s[16] of the first half, s[16] of the second)
+ *     float m[16] (affine only)
+ * so that one VNNI instruction (vpdpbusd: 4 u8 x 4 s8 products summed into each int32
+ * lane) multiplies four values of all 16 rows by the same four input values, broadcast:
+ * 8 instructions per group and input row, no horizontal sums.
+ *
+ * The same numbers on every path: the integer sums are exact, and the float steps are the
+ * same operations in the same order (fused multiply-adds) in the AVX-512 VNNI kernel and the
+ * portable loops, so a row's result depends neither on the path nor on the other rows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml_common.h"
+#include "team.h"
+
+enum { I_Q4_0 = 2, I_Q4_1 = 3, I_Q5_0 = 6, I_Q5_1 = 7, I_Q8_0 = 8, I_Q4_K = 12, I_Q5_K = 13, I_Q6_K = 14 };
+enum { AFFINE = 0, SIGNED32 = 1, SIGNED16 = 2 }; /* how a type's groups are scaled */
+
+int pg_q8_isa(void); /* ggml_q8.c: 2 where the CPU has AVX-512 VNNI */
+
+/* 0: the portable loops even where AVX-512 VNNI is present (tests compare the two). */
+int pg_i8_wide = 1;
+
+static int type_kind(int type, int *off) {
+    switch (type) {
+        case I_Q4_0: *off = 8; return SIGNED32;
+        case I_Q5_0: *off = 16; return SIGNED32;
+        case I_Q8_0: *off = 128; return SIGNED32;
+        case I_Q6_K: *off = 32; return SIGNED16;
+        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: *off = 0; return AFFINE;
+        default: return -1;
+    }
+}
+
+int pg_i8gemm_supported(int type) {
+    int off;
+    return type_kind(type, &off) >= 0;
+}
+
+/* Whether pg_gemm_i8 runs its AVX-512 VNNI kernel on this CPU (else the portable loops,
+ * far slower than the float tiles: callers keep those). */
+int pg_i8gemm_fast(void) {
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+    return pg_i8_wide && pg_q8_isa() == 2;
+#else
+    return 0;
+#endif
+}
+
+static inline int64_t tile_floats(int kind) { return kind == AFFINE || kind == SIGNED16 ? 32 : 16; }
+static inline int64_t group_bytes(int kind) { return 512 + 4 * tile_floats(kind); }
+
+/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block. */
+static inline void k4_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Group g (32 values) of a weight row: its u values, scales s[0..1] (s[1] the second
+ * half's, for SIGNED16) and min. */
+static void unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *u, float *s, float *m) {
+    switch (type) {
+        case I_Q4_0: case I_Q4_1: {
+            const int64_t bytes = type == I_Q4_0 ? 18 : 20;
+            const uint8_t *b = row + g * bytes, *qs = b + bytes - 16;
+            for (int j = 0; j < 16; j++) {
+                u[j] = qs[j] & 0xF;
+                u[j + 16] = qs[j] >> 4;
+            }
+            s[0] = s[1] = pg_f16(b);
+            *m = type == I_Q4_1 ? -pg_f16(b + 2) : 0.0f;
+            return;
+        }
+        case I_Q5_0: case I_Q5_1: {
+            const int64_t bytes = type == I_Q5_0 ? 22 : 24, hoff = type == I_Q5_0 ? 2 : 4;
+            const uint8_t *b = row + g * bytes, *qs = b + bytes - 16;
+            uint32_t qh;
+            memcpy(&qh, b + hoff, 4);
+            for (int j = 0; j < 16; j++) {
+                u[j] = (uint8_t)((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10));
+                u[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10));
+            }
+            s[0] = s[1] = pg_f16(b);
+            *m = type == I_Q5_1 ? -pg_f16(b + 2) : 0.0f;
+            return;
+        }
+        case I_Q8_0: {
+            const uint8_t *b = row + g * 34;
+            for (int j = 0; j < 32; j++) u[j] = (uint8_t)(b[2 + j] ^ 0x80); /* q + 128 */
+            s[0] = s[1] = pg_f16(b);
+            *m = 0.0f;
+            return;
+        }
+        case I_Q4_K: case I_Q5_K: {
+            const int q5 = type == I_Q5_K;
+            const uint8_t *b = row + (g >> 3) * (q5 ? 176 : 144);
+            const int sb = (int)(g & 7);
+            const uint8_t *q = b + (q5 ? 48 : 16) + 32 * (sb >> 1), *qh = b + 16;
+            int sc, mn;
+            k4_scale_min(sb, b + 4, &sc, &mn);
+            for (int l = 0; l < 32; l++) {
+                int v = (sb & 1) ? (q[l] >> 4) : (q[l] & 0xF);
+                if (q5) v += ((qh[l] >> sb) & 1) << 4;
+                u[l] = (uint8_t)v;
+            }
+            s[0] = s[1] = pg_f16(b) * sc;
+            *m = pg_f16(b + 2) * mn;
+            return;
+        }
+        case I_Q6_K: {
+            const uint8_t *b = row + (g >> 3) * 210;
+            const int sb = (int)(g & 7), h = sb >> 2, t = sb & 3;
+            const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+            const float d = pg_f16(b + 208);
+            for (int l = 0; l < 32; l++) {
+                const int lo = (t >= 2) ? (ql[l] >> 4) : (ql[l] & 0xF);
+                u[l] = (uint8_t)(lo | (((qh[l] >> (2 * t)) & 3) << 4));
+            }
+            s[0] = d * sc[0];
+            s[1] = d * sc[1];
+            *m = 0.0f;
+            return;
+        }
+    }
+}
+
+/* Rows [r0, r0 + 16) of W (those past N as zeros) into a tile of G groups. */
+static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes, int64_t N,
+                        int64_t r0, int64_t G, uint8_t *tile) {
+    const int64_t stride = group_bytes(kind);
+    for (int64_t i = 0; i < 16; i++) {
+        const int have = r0 + i < N;
+        const uint8_t *row = W + (r0 + i) * row_bytes;
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t u[32] = {0};
+            float s[2] = {0.0f, 0.0f}, m = 0.0f;
+            if (have) unpack_group(type, row, g, u, s, &m);
+            uint8_t *t = tile + g * stride;
+            for (int c = 0; c < 8; c++) memcpy(t + c * 64 + i * 4, u + 4 * c, 4);
+            float *f = (float *)(t + 512);
+            f[i] = s[0];
+            if (kind == SIGNED16) f[16 + i] = s[1];
+            if (kind == AFFINE) f[16 + i] = m;
+        }
+    }
+}
+
+/* Input row x (q, d per 32, sums per 16) against a tile: out[i] for its 16 rows. The
+ * reference for the vector kernel below: the same float operations in the same order
+ * (integer sums are exact in any order). */
+static void row_portable(int kind, int off, const uint8_t *tile, int64_t G, const int8_t *q,
+                         const float *d, const int32_t *sums, float *out) {
+    const int64_t stride = group_bytes(kind);
+    float acc[16] = {0};
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *t = tile + g * stride;
+        const float *f = (const float *)(t + 512);
+        const int32_t s0 = sums[2 * g], s1 = sums[2 * g + 1];
+        for (int i = 0; i < 16; i++) {
+            int32_t lo = 0, hi = 0; /* values 0-15 and 16-31 of the group */
+            for (int c = 0; c < 8; c++) {
+                int32_t dot = 0;
+                for (int b = 0; b < 4; b++) dot += (int32_t)t[c * 64 + i * 4 + b] * q[32 * g + 4 * c + b];
+                if (c < 4) lo += dot; else hi += dot;
+            }
+            if (kind == AFFINE) {
+                acc[i] = fmaf((float)(lo + hi), f[i] * d[g], acc[i]);
+                acc[i] = fmaf(-f[16 + i], d[g] * (float)(s0 + s1), acc[i]);
+            } else if (kind == SIGNED32) {
+                acc[i] = fmaf((float)(lo + hi - off * (s0 + s1)), f[i] * d[g], acc[i]);
+            } else {
+                acc[i] = fmaf((float)(lo - off * s0), f[i] * d[g], acc[i]);
+                acc[i] = fmaf((float)(hi - off * s1), f[16 + i] * d[g], acc[i]);
+            }
+        }
+    }
+    memcpy(out, acc, sizeof(acc));
+}
+
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+
+/* R input rows (1..4) against a tile: acc[r] holds the 16 rows' sums for input row r. */
+static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
+    const int R, const int kind, int off, const uint8_t *tile, int64_t G, const int8_t *const *q,
+    const float *const *d, const int32_t *const *sums, __m512 *acc) {
+    const int64_t stride = group_bytes(kind);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i offv = _mm512_set1_epi32(off);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *t = tile + g * stride;
+        const float *f = (const float *)(t + 512);
+        _mm_prefetch((const char *)(t + 4 * stride), _MM_HINT_T0);
+        __m512i w[8];
+        for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(t + 64 * c));
+        const __m512 s = _mm512_loadu_ps(f);
+        for (int r = 0; r < R; r++) {
+            int32_t x4[8];
+            memcpy(x4, q[r] + 32 * g, 32);
+            const float dg = d[r][g];
+            const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
+            if (kind == SIGNED16) {
+                __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+                __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(x4[4]));
+                for (int c = 1; c < 4; c++) {
+                    lo = _mm512_dpbusd_epi32(lo, w[c], _mm512_set1_epi32(x4[c]));
+                    hi = _mm512_dpbusd_epi32(hi, w[c + 4], _mm512_set1_epi32(x4[c + 4]));
+                }
+                lo = _mm512_sub_epi32(lo, _mm512_mullo_epi32(offv, _mm512_set1_epi32(s0)));
+                hi = _mm512_sub_epi32(hi, _mm512_mullo_epi32(offv, _mm512_set1_epi32(s1)));
+                const __m512 dv = _mm512_set1_ps(dg);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s, dv), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi),
+                                         _mm512_mul_ps(_mm512_loadu_ps(f + 16), dv), acc[r]);
+                continue;
+            }
+            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
+            for (int c = 2; c < 8; c += 2) {
+                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
+            }
+            __m512i sum = _mm512_add_epi32(even, odd);
+            if (kind == AFFINE) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(f + 16)),
+                                         _mm512_set1_ps(dg * (float)(s0 + s1)), acc[r]);
+            } else {
+                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
+            }
+        }
+    }
+}
+
+/* Every input row against one tile, 4 at a time, into Y's columns [r0, r0 + n). */
+static VNNI512 void tile_vnni(int kind, int off, const uint8_t *tile, int64_t G, const int8_t *QX,
+                              const float *DX, const int32_t *SX, int64_t M, int64_t K, float *Y,
+                              int64_t ldy, int64_t r0, int64_t n) {
+    const __mmask16 keep = (__mmask16)((1u << n) - 1);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int R = (int)(M - m0 < 4 ? M - m0 : 4);
+        const int8_t *q[4];
+        const float *d[4];
+        const int32_t *sums[4];
+        for (int r = 0; r < R; r++) {
+            q[r] = QX + (m0 + r) * K;
+            d[r] = DX + (m0 + r) * (K / 32);
+            sums[r] = SX + (m0 + r) * (K / 16);
+        }
+        __m512 acc[4];
+#define ROWS(n_, k_) rows_vnni(n_, k_, off, tile, G, q, d, sums, acc)
+#define KINDS(n_)                                                                           \
+    if (kind == AFFINE) ROWS(n_, AFFINE);                                                   \
+    else if (kind == SIGNED32) ROWS(n_, SIGNED32);                                          \
+    else ROWS(n_, SIGNED16)
+        switch (R) {
+            case 4: KINDS(4); break;
+            case 3: KINDS(3); break;
+            case 2: KINDS(2); break;
+            default: KINDS(1);
+        }
+#undef KINDS
+#undef ROWS
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(Y + (m0 + r) * ldy + r0, keep, acc[r]);
+    }
+}
+#endif
+
+/* Thread ith's share of the 16-row tiles; tile: group_bytes * K/32 bytes of scratch. */
+void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                     int64_t ldy, uint8_t *tile, const pg_team *team) {
+    int off;
+    const int kind = type_kind(type, &off);
+    const int64_t G = K / 32, tiles = (N + 15) / 16;
+    int64_t t0, t1;
+    pg_share(tiles, team, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
+        unpack_tile(type, kind, W, row_bytes, N, r0, G, tile);
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+        if (pg_i8gemm_fast()) {
+            tile_vnni(kind, off, tile, G, QX, DX, SX, M, K, Y, ldy, r0, n);
+            continue;
+        }
+#endif
+        for (int64_t m = 0; m < M; m++) {
+            float out[16];
+            row_portable(kind, off, tile, G, QX + m * K, DX + m * G, SX + m * 2 * G, out);
+            memcpy(Y + m * ldy + r0, out, (size_t)n * sizeof(float));
+        }
+    }
+}
+
+int64_t pg_gemm_i8_tile_bytes(int type, int64_t K) {
+    int off;
+    const int kind = type_kind(type, &off);
+    return kind < 0 ? 0 : group_bytes(kind) * (K / 32);
+}
+
+/* Y[m, n] = sum_k X[m, k] W[n, k] for M input rows quantized by pg_quantize_q8 (one level).
+ * Returns 0; -1 when K is not a multiple of 32, the type has no unpacker or memory ran out. */
+int pg_gemm_i8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+               const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+               int64_t ldy) {
+    if (K % 32 != 0 || !pg_i8gemm_supported(type)) return -1;
+    const int64_t bytes = pg_gemm_i8_tile_bytes(type, K);
+    int failed = 0;
+#pragma omp parallel if (M * N * K >= 1 << 22) reduction(| : failed)
+    {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), NULL};
+        uint8_t *tile = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        if (tile == NULL) {
+            failed = 1;
+        } else {
+            pg_gemm_i8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, tile, &team);
+            free(tile);
+        }
+    }
+    return failed ? -1 : 0;
+}

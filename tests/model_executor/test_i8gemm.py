@@ -1,0 +1,99 @@
+"""The int8 GEMM for many input rows (pagellm/kernels/ggml_i8gemm.c): against float64
+products of gguf's dequantized weights and the numpy model of llama.cpp's activation
+rounding, the AVX-512 VNNI kernel bit for bit equal to the portable loops, and a row's
+result independent of the other rows."""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagellm import kernels
+from pagellm.benchmarks.synthetic_gguf import random_blocks
+from tests.model_executor.test_gguf_quantized import _reference, _round_activations
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _gemm_i8(lib, qtype: str, data: np.ndarray, n: int, x: np.ndarray, wide: bool) -> np.ndarray:
+    m, k = x.shape
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    qx = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, k // 32, dtype=torch.float32)
+    sx = torch.empty(m, k // 16, dtype=torch.int32)
+    lib.pg_quantize_q8(xt.data_ptr(), k, m, k, 1, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    y = torch.full((m, n + 3), float("nan"))  # a wider output: ldy > n
+    flag = ctypes.c_int.in_dll(lib, "pg_i8_wide")
+    flag.value = int(wide)
+    try:
+        w = np.ascontiguousarray(data)
+        rc = lib.pg_gemm_i8(int(gguf.GGMLQuantizationType[qtype]), w.ctypes.data, w.shape[1], n, k,
+                            qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), m, y.data_ptr(), n + 3)
+    finally:
+        flag.value = 1
+    assert rc == 0
+    assert torch.isnan(y[:, n:]).all()  # nothing written past the n columns
+    return y[:, :n].double().numpy()
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = kernels.load_kernels()
+    if lib is None:
+        pytest.skip("no C compiler: the kernels are not built")
+    return lib
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_gemm_computes_the_int8_scheme(lib, qtype: str) -> None:
+    """Rows counts around the kernel's 4-row passes and weight row counts around its
+    16-row tiles: equal (1e-5) to the float64 product with the rounded activations; the
+    error against the exact product no larger than llama.cpp's scheme gives (Q8_0-style
+    32-value groups; Q8_K's 256 for K-quants)."""
+    rng = np.random.default_rng(3)
+    k = 512 if qtype.endswith("_K") else 576
+    llama_group = 256 if qtype.endswith("_K") else 32
+    assert lib.pg_i8gemm_supported(int(gguf.GGMLQuantizationType[qtype]))
+    ours, exact, llama = [], [], []
+    for n in (16, 37):
+        data = random_blocks(qtype, n, k, rng)
+        ref = _reference(data, qtype, n, k)
+        for m in (1, 3, 4, 9, 33):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + n)).numpy()
+            y = _gemm_i8(lib, qtype, data, n, x, wide=True)
+            want = _round_activations(x, 32) @ ref.T
+            assert np.linalg.norm(y - want) <= 1e-5 * np.linalg.norm(want), (n, m)
+            ours.append(y)
+            exact.append(x.astype(np.float64) @ ref.T)
+            llama.append(_round_activations(x, llama_group) @ ref.T)
+    ours, exact, llama = (np.concatenate([a.ravel() for a in v]) for v in (ours, exact, llama))
+    err = lambda a: np.linalg.norm(a - exact) / np.linalg.norm(exact)  # noqa: E731
+    assert 1e-5 < err(ours) <= err(llama) * 1.001
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_vnni_kernel_equals_the_portable_loops_and_rows_are_independent(lib, qtype: str) -> None:
+    if not lib.pg_i8gemm_fast():
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512vnni, avx512bw, avx512vl, avx512dq): "
+                    "only the portable loops run")
+    rng = np.random.default_rng(4)
+    k, n = 256 * 3, 21
+    data = random_blocks(qtype, n, k, rng)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(8)).numpy()
+    fast = _gemm_i8(lib, qtype, data, n, x, wide=True)
+    assert np.array_equal(fast, _gemm_i8(lib, qtype, data, n, x, wide=False))
+    for i in range(7):  # each row alone, and in a pass of fewer rows, gives the same bits
+        assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[i : i + 1], wide=True)[0], fast[i])
+    assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[2:5], wide=True), fast[2:5])
+
+
+def test_types_without_an_unpacker_are_refused(lib) -> None:
+    for qtype in ("Q2_K", "Q3_K", "IQ4_XS", "F32", "F16"):
+        assert not lib.pg_i8gemm_supported(int(gguf.GGMLQuantizationType[qtype]))
+    dummy = torch.zeros(64, dtype=torch.int8)
+    assert lib.pg_gemm_i8(int(gguf.GGMLQuantizationType.Q3_K), dummy.data_ptr(), 110, 1, 256,
+                          dummy.data_ptr(), dummy.data_ptr(), dummy.data_ptr(), 1, dummy.data_ptr(), 1) == -1
