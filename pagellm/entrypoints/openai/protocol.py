@@ -14,7 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from pagellm.entrypoints.chat_utils import CHAT_ROLES
 from pagellm.logger import init_logger
-from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import (
+    ALL_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 logger = init_logger(__name__)
 
@@ -92,6 +97,9 @@ class SamplingFields(OpenAIBaseModel):
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the logprobs of each prompt token and its top-k (-1: the whole vocabulary);
+    # at most --max-logprobs, not with stream
+    prompt_logprobs: int | None = Field(None, ge=ALL_LOGPROBS)
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> SamplingFields:
@@ -179,8 +187,12 @@ class CompletionRequest(SamplingFields):
         return self
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        # echo with logprobs scores the echoed prompt too
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        # echo with logprobs scores the echoed prompt too; with prompt_logprobs as well,
+        # the engine computes the wider of the two
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            wider = ALL_LOGPROBS in (prompt_logprobs, self.logprobs)
+            prompt_logprobs = ALL_LOGPROBS if wider else max(prompt_logprobs or 0, self.logprobs)
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
@@ -216,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, k)
+        return self._sampling_params(max_tokens, k, self.prompt_logprobs)
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -232,12 +244,26 @@ class CompletionLogprobs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One token's entry in `prompt_logprobs` (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsJson = list[dict[int, PromptLogprob] | None]
+"""Per prompt token: {token id: entry} for the prompt's token and the top-k; the first
+token's is None (nothing predicts it)."""
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -288,6 +314,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsJson | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     as_openai_error,
     merge_generators,
+    prompt_logprobs_json,
     sse,
     usage,
 )
@@ -179,6 +180,7 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams, _ToolPlan]:
         self.check_model(request.model)
         self.check_alive()
+        self.check_prompt_logprobs(request)
         plan = self._tool_plan(request)
         prompt = self._render(request, plan)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -239,8 +241,10 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             ))
+        prompt_lps = prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None
         return ChatCompletionResponse(id=request_id, model=request.model or self.served_model_names[0],
-                                      choices=choices, usage=usage(len(ids), completion_tokens))
+                                      choices=choices, usage=usage(len(ids), completion_tokens),
+                                      prompt_logprobs=prompt_lps)
 
     # -- output text -> message -------------------------------------------------------------
 

@@ -18,10 +18,12 @@ from pagellm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     as_openai_error,
     merge_generators,
+    prompt_logprobs_json,
     sse,
     usage,
 )
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import ALL_LOGPROBS
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -29,6 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Returns (prompt text, prompt ids, sampling params) per prompt; raises OpenAIError."""
         self.check_model(request.model)
         self.check_alive()
+        self.check_prompt_logprobs(request)
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -79,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
             out = finals[i]
             prompt_tokens += len(ids)
             prefix = (text if text is not None else self.tokenizer.decode(ids)) if request.echo else ""
+            prompt_lps = prompt_logprobs_json(out.prompt_logprobs) if request.prompt_logprobs is not None else None
             for c in sorted(out.outputs, key=lambda c: c.index):
                 completion_tokens += len(c.token_ids)
                 lp = None
@@ -90,6 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=lp,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_lps,
                 ))
         return CompletionResponse(id=base_id, model=self._model_name(request), choices=choices,
                                   usage=usage(prompt_tokens, completion_tokens))
@@ -104,7 +109,8 @@ class OpenAIServingCompletion(OpenAIServing):
         tokens come first (the first has no entry: nothing predicts it), as in OpenAI's
         legacy API."""
         if request.echo:
-            return [*prompt_ids, *c.token_ids], [*(prompt_logprobs or [None] * len(prompt_ids)), *(c.logprobs or [])]
+            echoed = [_top(e, request.logprobs) for e in prompt_logprobs or [None] * len(prompt_ids)]
+            return [*prompt_ids, *c.token_ids], [*echoed, *(c.logprobs or [])]
         return list(c.token_ids), list(c.logprobs or [])
 
     def _logprobs(self, token_ids: list[int], logprobs: list, offset: int = 0) -> CompletionLogprobs:
@@ -168,3 +174,12 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:
             yield sse(as_openai_error(e).response())
         yield SSE_DONE
+
+
+def _top(entry: dict[int, Logprob] | None, k: int | None) -> dict[int, Logprob] | None:
+    """A prompt position's entry cut to its token and the top k: prompt_logprobs may have
+    made the engine compute more than an echo's logprobs asks for."""
+    if entry is None or k is None or k == ALL_LOGPROBS:
+        return entry
+    first = next(iter(entry), None)
+    return {t: lp for t, lp in entry.items() if t == first or (lp.rank is not None and lp.rank <= k)}

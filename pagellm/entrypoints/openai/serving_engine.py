@@ -11,9 +11,15 @@ from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError
-from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
-from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    PromptLogprobsJson,
+    UsageInfo,
+)
+from pagellm.outputs import PromptLogprobs, RequestOutput
+from pagellm.sampling_params import ALL_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -161,6 +167,22 @@ class OpenAIServing:
             raise OpenAIError(f"Invalid {field}: {e}", param=field) from e
         params.structured_outputs = constraint
 
+    def check_prompt_logprobs(self, request: Any) -> None:
+        """prompt_logprobs (vLLM's extra field): not with stream (vLLM refuses it too), and
+        at most the engine's max_logprobs (-1, on either side, is the whole vocabulary)."""
+        k = request.prompt_logprobs
+        if k is None:
+            return
+        if request.stream:
+            raise OpenAIError("prompt_logprobs is not supported with stream: true.", param="prompt_logprobs")
+        vocab = self.engine.model_config.vocab_size
+        cap = self.engine.model_config.max_logprobs
+        cap = vocab if cap == ALL_LOGPROBS else cap
+        wanted = vocab if k == ALL_LOGPROBS else k
+        if wanted > cap:
+            raise OpenAIError(f"Requested prompt logprobs of {wanted}, which is greater than max allowed: "
+                              f"{cap} (--max-logprobs).", param="prompt_logprobs")
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.model_config.vocab_size
         for t in ids:
@@ -206,6 +228,17 @@ async def merge_generators(gens: list[AsyncGenerator[RequestOutput, None]]) -> A
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in gens:
             await g.aclose()
+
+
+def prompt_logprobs_json(entries: PromptLogprobs | None) -> PromptLogprobsJson | None:
+    """RequestOutput.prompt_logprobs in the server's JSON shape (vLLM's)."""
+    if entries is None:
+        return None
+    return [
+        None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                                for t, lp in e.items()}
+        for e in entries
+    ]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
