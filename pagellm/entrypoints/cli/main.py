@@ -1,4 +1,4 @@
-"""The `pagellm` command (also `python -m pagellm`): generate, chat, serve, bench."""
+"""The `pagellm` command (also `python -m pagellm`): generate, chat, serve, bench, tokenizer."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "chat": "pagellm.entrypoints.cli.generate",
     "serve": "pagellm.entrypoints.cli.serve",
     "bench": "pagellm.entrypoints.cli.bench",
+    "tokenizer": "pagellm.entrypoints.cli.tokenizer",
 }
 
 
@@ -43,7 +44,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     what they need: the server starlette, the benchmarks aiohttp and numpy)."""
     parser = CLIParser(prog="pagellm", description="pagellm: LLM inference and serving.")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench,tokenizer}")
     modules = [_SUBCOMMANDS[command]] if command in _SUBCOMMANDS else _SUBCOMMANDS.values()
     for module_name in dict.fromkeys(modules):
         importlib.import_module(module_name).add_parsers(sub)

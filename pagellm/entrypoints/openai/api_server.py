@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
@@ -164,7 +165,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # unknown routes, wrong methods, bodies that cannot be read: OpenAI's shape too
-        return _error(OpenAIError(str(exc.detail), HTTPStatus(exc.status_code), headers=exc.headers))
+        message = str(exc.detail)
+        if exc.status_code == HTTPStatus.NOT_FOUND and message == "Not Found":
+            message = (f"Not Found: {request.method} {request.url.path} is not an endpoint of this server. "
+                       f"Its API: {_endpoints(app)}.")
+        return _error(OpenAIError(message, HTTPStatus(exc.status_code), headers=exc.headers))
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
@@ -260,6 +265,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     return app
 
 
+def _endpoints(app: FastAPI) -> str:
+    """The API's routes (those of its OpenAPI schema), as 'POST /v1/completions, ...'."""
+    return ", ".join(f"{method} {route.path}" for route in app.routes
+                     if isinstance(route, APIRoute) and route.include_in_schema
+                     for method in sorted(route.methods - {"HEAD"}))
+
+
 async def _log_periodically(stat_logger: LoggingStatLogger, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
@@ -296,6 +308,7 @@ def run_server(args: Any) -> int:
     logger.info("Model %s (%s), dtype %s, max_model_len %d, %d KV blocks of %d tokens, %d engine(s)",
                 mc.model, mc.architecture, mc.dtype, mc.max_model_len,
                 engine.config.cache_config.num_gpu_blocks, engine.config.cache_config.block_size, num_engines)
+    _log_tokenizer_directory(engine)
     app = build_app(engine, names, args.api_key, chat_template, prometheus,
                     trust_request_chat_template=args.trust_request_chat_template,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -348,6 +361,20 @@ def run_server(args: Any) -> int:
         sock.close()
         engine.shutdown()
     return exit_status
+
+
+def _log_tokenizer_directory(engine: AsyncLLM) -> None:
+    """At every start: where the tokenizer loads from, for other tools' --tokenizer (a
+    GGUF's converted vocabulary lives in a hashed cache directory)."""
+    from pagellm.entrypoints.cli.tokenizer import tokenizer_directory
+
+    mc = engine.model_config
+    try:
+        directory = tokenizer_directory(mc.model_path, mc.tokenizer, engine.tokenizer)
+    except (ValueError, OSError) as e:
+        logger.warning("Cannot tell the tokenizer's directory: %s", e)
+        return
+    logger.info("Tokenizer %s (for other tools' --tokenizer; `pagellm tokenizer MODEL` prints it)", directory)
 
 
 def _check_tool_flags(args: Any) -> None:
