@@ -72,6 +72,11 @@ void pg_rope_part(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D,
                   const pg_team *team);
 void pg_act_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, int act,
                          float *out, int64_t ldo, const pg_team *team);
+int pg_i8gemm_supported(int type);
+int64_t pg_gemm_i8_tile_bytes(int type, int64_t K);
+void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                     int64_t ldy, uint8_t *tile, const pg_team *team);
 void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
                            const float *wq, const float *wk, float eps, const pg_team *team);
 void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
@@ -139,6 +144,9 @@ typedef struct {
                           * multiply int8-rounded activations (ggml_q8.c): the step's
                           * decodes, q8_rows[i] (NULL: rows 0 .. n_q8-1); 0: none */
     int64_t int8_levels; /* int8 levels each of those rows is rounded in (ggml_q8.c) */
+    int64_t i8_batched;  /* 1: the products of more than direct_rows rows round every row to
+                          * int8 and take the int8 GEMM (ggml_i8gemm.c) for the groups it
+                          * unpacks; the q8 rows then as above */
     float eps;
     const int64_t *positions, *slots, *q8_rows;
     pg_attn_view views[PG_MAX_VIEWS];
@@ -164,15 +172,28 @@ static int linear_supported(const pg_linear *L) {
     return 1;
 }
 
-/* Each thread's buffers: weight rows (`wrow`), attention scores; and the team's packed
- * rows of x (`xp`, for pg_gemm_batched) and x rounded to int8 (`qx`, `dx`, `sx`, for
- * pg_gemm_q8). */
+/* Each thread's buffers: weight rows (`wrow`), attention scores, an int8 weight tile
+ * (`tile`, for pg_gemm_i8); and the team's packed rows of x (`xp`, for pg_gemm_batched),
+ * x's q8 rows rounded to int8 (`qx`, `dx`, `sx`, for pg_gemm_q8) and all its rows rounded
+ * once (`bqx`, `bdx`, `bsx`, for pg_gemm_i8). */
 typedef struct {
     float *wrow, *scores, *xp;
     int8_t *qx;
     float *dx;
     int32_t *sx;
+    uint8_t *tile;
+    int8_t *bqx;
+    float *bdx;
+    int32_t *bsx;
 } scratch;
+
+/* Whether linear L's products of T rows take the int8 GEMM (for the groups it unpacks). */
+static int takes_i8(const pg_linear *L, int64_t T, const pg_step *s) {
+    if (!s->i8_batched || T <= s->direct_rows || L->n_in % 32) return 0;
+    for (int64_t g = 0; g < L->n_groups; g++)
+        if (L->groups[g].block == 0 && pg_i8gemm_supported((int)L->groups[g].type)) return 1;
+    return 0;
+}
 
 static int q8_group(const pg_weight_group *w) {
     return w->block == 0 && pg_q8_supported((int)w->type);
@@ -218,10 +239,14 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
     /* every row int8 (a decode step), or some (the decodes beside prompt chunks: every row
      * float32 first, then the decode rows' columns of q8 groups again, in int8) */
     const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
-    if (q8) { /* the q8 rows rounded once for every group */
+    const int i8 = !every && takes_i8(L, T, s);
+    if (q8 || i8) { /* the q8 rows rounded once for every group; every row for the int8 GEMM */
         pg_claim_reset(team); /* idle: the team met after the last claims */
-        pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, s->int8_levels, sc->qx,
-                            sc->dx, sc->sx, team);
+        if (q8)
+            pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, s->int8_levels, sc->qx,
+                                sc->dx, sc->sx, team);
+        if (i8)
+            pg_quantize_q8_part(x, L->n_in, NULL, T, L->n_in, 1, sc->bqx, sc->bdx, sc->bsx, team);
         pg_team_sync(team);
     }
     for (int64_t g = 0; g < L->n_groups; g++) {
@@ -234,6 +259,9 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
         else if (T <= direct_rows)
             pg_gemm_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
                          y + w->row_start, L->n_out, sc->wrow, team);
+        else if (i8 && pg_i8gemm_supported((int)w->type))
+            pg_gemm_i8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->bqx,
+                            sc->bdx, sc->bsx, T, y + w->row_start, L->n_out, sc->tile, team);
         else
             pg_gemm_batched_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x,
                                  L->n_in, T, y + w->row_start, L->n_out, sc->xp, sc->wrow,
@@ -412,9 +440,29 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
             }
         }
     }
-    /* per thread: weight rows, then attention scores (each a multiple of 16 floats) */
+    /* per thread: weight rows, then attention scores, then an int8 tile (each a multiple
+     * of 16 floats) */
     int64_t wrow = pg_gemm_scratch(k_max), batched = pg_gemm_batched_wbuf(k_max);
     wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
+    int64_t tile_floats = 0;
+    if (s->i8_batched && s->T > s->direct_rows)
+        for (int64_t l = 0; l < n_layers; l++) {
+            const pg_layer *L = &layers[l];
+            const pg_linear *lin[5] = {&L->qkv, &L->o, &L->gate_up, &L->down, &L->router};
+            for (int i = 0; i < 5; i++)
+                for (int64_t g = 0; g < lin[i]->n_groups; g++) {
+                    const int64_t f = pg_gemm_i8_tile_bytes((int)lin[i]->groups[g].type, lin[i]->n_in);
+                    if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;
+                }
+            if (L->moe_experts > 0) { /* the experts' shapes */
+                const pg_weight_group *e[3] = {&L->moe_gate, &L->moe_up, &L->moe_down};
+                for (int i = 0; i < 3; i++) {
+                    const int64_t f = pg_gemm_i8_tile_bytes((int)e[i]->type, i < 2 ? s->hidden : L->moe_inter);
+                    if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;
+                }
+            }
+        }
+    tile_floats = (tile_floats + 15) / 16 * 16;
     int64_t max_slots = 0;
     for (int64_t l = 0; l < n_layers; l++) {
         if (layers[l].view < 0 || layers[l].view >= PG_MAX_VIEWS) return -1;
@@ -427,20 +475,27 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     const int64_t xp = (xp_floats + 15) / 16 * 16;
     const int64_t q8_values = s->n_q8 > 0 ? (s->n_q8 * s->int8_levels * k_max + 63) / 64 * 64 : 0;
     const int64_t q8_floats = (q8_values / 4 + 3 * (q8_values / 32) + 15) / 16 * 16;
+    const int64_t i8_values = tile_floats > 0 ? (s->T * k_max + 63) / 64 * 64 : 0;
+    const int64_t i8_floats = (i8_values / 4 + 3 * (i8_values / 32) + 15) / 16 * 16;
+    const int64_t per_thread = wrow + scores + tile_floats;
     float *buf = (float *)aligned_alloc(
-        64, (size_t)(threads * (wrow + scores) + xp + q8_floats) * sizeof(float));
+        64, (size_t)(threads * per_thread + xp + q8_floats + i8_floats) * sizeof(float));
     if (buf == NULL) return -1;
-    float *team_x = buf + threads * (wrow + scores);
+    float *team_x = buf + threads * per_thread;
     int8_t *qx = (int8_t *)(team_x + xp);
     float *dx = (float *)(qx + q8_values);
     int32_t *sx = (int32_t *)(dx + q8_values / 32);
+    int8_t *bqx = (int8_t *)(team_x + xp + q8_floats);
+    float *bdx = (float *)(bqx + i8_values);
+    int32_t *bsx = (int32_t *)(bdx + i8_values / 32);
     pg_barrier barrier = {0};
     barrier.spin_ns = pg_team_spin_ns;
 #pragma omp parallel
     {
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
-        float *mine = buf + team.ith * (wrow + scores);
-        const scratch sc = {mine, mine + wrow, team_x, qx, dx, sx};
+        float *mine = buf + team.ith * per_thread;
+        const scratch sc = {mine, mine + wrow, team_x, qx, dx, sx,
+                            (uint8_t *)(mine + wrow + scores), bqx, bdx, bsx};
         decode_layers(layers, n_layers, s, x, res, &sc, &team);
     }
     free(buf);

@@ -203,6 +203,94 @@ static void row_portable(int kind, int off, const uint8_t *tile, int64_t G, cons
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
+/* unpack_group's values as one vector (the scales as there): the AVX-512 path's tiles. */
+static inline VNNI512 __m256i group_vec(int type, const uint8_t *row, int64_t g, float *s, float *m) {
+    switch (type) {
+        case I_Q4_0: case I_Q4_1: {
+            const int64_t bytes = type == I_Q4_0 ? 18 : 20;
+            const uint8_t *b = row + g * bytes;
+            s[0] = s[1] = pg_f16(b);
+            *m = type == I_Q4_1 ? -pg_f16(b + 2) : 0.0f;
+            return pg_nibbles_32(b + bytes - 16);
+        }
+        case I_Q5_0: case I_Q5_1: {
+            const int64_t bytes = type == I_Q5_0 ? 22 : 24, hoff = type == I_Q5_0 ? 2 : 4;
+            const uint8_t *b = row + g * bytes;
+            uint32_t qh;
+            memcpy(&qh, b + hoff, 4);
+            s[0] = s[1] = pg_f16(b);
+            *m = type == I_Q5_1 ? -pg_f16(b + 2) : 0.0f;
+            return _mm256_or_si256(pg_nibbles_32(b + bytes - 16), pg_bits_to_0x10(qh));
+        }
+        case I_Q8_0: {
+            const uint8_t *b = row + g * 34;
+            s[0] = s[1] = pg_f16(b);
+            *m = 0.0f;
+            return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+        }
+        case I_Q4_K: case I_Q5_K: {
+            const int q5 = type == I_Q5_K;
+            const uint8_t *b = row + (g >> 3) * (q5 ? 176 : 144);
+            const int sb = (int)(g & 7);
+            int sc, mn;
+            k4_scale_min(sb, b + 4, &sc, &mn);
+            s[0] = s[1] = pg_f16(b) * sc;
+            *m = pg_f16(b + 2) * mn;
+            const __m256i low = _mm256_set1_epi8(0x0F);
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (q5 ? 48 : 16) + 32 * (sb >> 1)));
+            __m256i v = _mm256_and_si256(sb & 1 ? _mm256_srli_epi16(q, 4) : q, low);
+            if (q5) { /* bit sb of each qh byte -> bit 4 (16-bit shifts: no bit crosses into bit 0) */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+                const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(sb)), _mm256_set1_epi8(1));
+                v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+            }
+            return v;
+        }
+        default: { /* I_Q6_K */
+            const uint8_t *b = row + (g >> 3) * 210;
+            const int sb = (int)(g & 7), h = sb >> 2, t = sb & 3;
+            const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * t;
+            const float d = pg_f16(b + 208);
+            s[0] = d * sc[0];
+            s[1] = d * sc[1];
+            *m = 0.0f;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i lo = _mm256_and_si256(t >= 2 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+            return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+        }
+    }
+}
+
+/* unpack_tile with group_vec: the same tile. */
+static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_t row_bytes,
+                                    int64_t N, int64_t r0, int64_t G, uint8_t *tile) {
+    const int64_t stride = group_bytes(kind);
+    for (int64_t i = 0; i < 16; i++) {
+        const int have = r0 + i < N;
+        const uint8_t *row = W + (r0 + i) * row_bytes;
+        for (int64_t g = 0; g < G; g++) {
+            float s[2] = {0.0f, 0.0f}, m = 0.0f;
+            const __m256i v = have ? group_vec(type, row, g, s, &m) : _mm256_setzero_si256();
+            uint8_t *t = tile + g * stride;
+            const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
+            *(int32_t *)(t + 0 * 64 + i * 4) = _mm_cvtsi128_si32(v0);
+            *(int32_t *)(t + 1 * 64 + i * 4) = _mm_extract_epi32(v0, 1);
+            *(int32_t *)(t + 2 * 64 + i * 4) = _mm_extract_epi32(v0, 2);
+            *(int32_t *)(t + 3 * 64 + i * 4) = _mm_extract_epi32(v0, 3);
+            *(int32_t *)(t + 4 * 64 + i * 4) = _mm_cvtsi128_si32(v1);
+            *(int32_t *)(t + 5 * 64 + i * 4) = _mm_extract_epi32(v1, 1);
+            *(int32_t *)(t + 6 * 64 + i * 4) = _mm_extract_epi32(v1, 2);
+            *(int32_t *)(t + 7 * 64 + i * 4) = _mm_extract_epi32(v1, 3);
+            float *f = (float *)(t + 512);
+            f[i] = s[0];
+            if (kind == SIGNED16) f[16 + i] = s[1];
+            if (kind == AFFINE) f[16 + i] = m;
+        }
+    }
+}
+
 /* R input rows (1..4) against a tile: acc[r] holds the 16 rows' sums for input row r. */
 static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
     const int R, const int kind, int off, const uint8_t *tile, int64_t G, const int8_t *const *q,
@@ -301,13 +389,14 @@ void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     pg_share(tiles, team, &t0, &t1);
     for (int64_t t = t0; t < t1; t++) {
         const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
-        unpack_tile(type, kind, W, row_bytes, N, r0, G, tile);
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
         if (pg_i8gemm_fast()) {
+            unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
             tile_vnni(kind, off, tile, G, QX, DX, SX, M, K, Y, ldy, r0, n);
             continue;
         }
 #endif
+        unpack_tile(type, kind, W, row_bytes, N, r0, G, tile);
         for (int64_t m = 0; m < M; m++) {
             float out[16];
             row_portable(kind, off, tile, G, QX + m * K, DX + m * G, SX + m * 2 * G, out);

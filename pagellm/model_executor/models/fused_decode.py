@@ -119,7 +119,7 @@ class _View(ctypes.Structure):  # pg_attn_view
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs", "kv_type",
-                              "direct_rows", "n_q8", "int8_levels")],
+                              "direct_rows", "n_q8", "int8_levels", "i8_batched")],
         ("eps", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "q8_rows")],
         ("views", _View * MAX_VIEWS),
@@ -288,6 +288,9 @@ class FusedDecodeStack:
         """Whether the step's decode rows multiply int8 activations (int8_rows); the float
         rows then take the batched kernel at any count, as on the module path."""
         s.eps, s.direct_rows = self.eps, 0 if self.q8 else DIRECT_MAX_ROWS
+        s.i8_batched = int(self.q8 and s.int8_levels == 1 and bool(lib.pg_i8gemm_fast()))
+        """Rows that are not int8 decode rows (prompt chunks, decodes past Q8_MAX_ROWS)
+        round to int8 too and take the int8 GEMM, as `gguf_matmul(int8_prompt=True)` does."""
         self._layers_ptr = ctypes.addressof(self._layers)
         self._step_ptr = ctypes.addressof(self._step)
 

@@ -53,9 +53,10 @@ once for both): on the default model (a Q8_0 head of 49152 x 576, 2 threads) 0.9
 against 0.68 ms for one level, 3-5% of its decode step."""
 
 Q8_MAX_ROWS = 16
-"""Most rows of one product that multiply int8 activations (the q8 path): a step's decode
-rows, or a logits head's rows. Past it every row takes float32, where the batched float
-kernels are faster (benchmarks/kernels.py)."""
+"""Most rows of one product that multiply int8 activations in the decode kernels (the q8
+path): a step's decode rows, or a logits head's rows. Past it every row takes the int8
+GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched float
+kernels are faster than the decode kernels (benchmarks/kernels.py)."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
@@ -106,8 +107,7 @@ class GGUFConfig(QuantizationConfig):
                 logger.info("GGUF linears: float32 activations (the exact path)")
             else:
                 lib = load_kernels()
-                prompt = (f"prompt chunks over {BATCHED_MAX_ROWS} rows int8 too (AVX-512 VNNI "
-                          "GEMM), shorter ones float32"
+                prompt = ("prompt rows and decodes past that int8 too (AVX-512 VNNI GEMM)"
                           if activations == "q8" and lib is not None and lib.pg_i8gemm_fast()
                           else "prompt rows float32")
                 logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
@@ -266,12 +266,13 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
 
 def int8_rows(m: int) -> slice | torch.Tensor | None:
-    """The rows of an m-row product that multiply int8 activations on the q8 path. In a
-    model step: the step's decodes (one new token of a running request); prompt chunks
-    stay float32, compute-bound where the float tiles are fastest, so that neither kind of
-    row's numbers depend on what else the step holds. Outside a step (the logits head,
-    direct calls): every row. None where there are none or more than Q8_MAX_ROWS (then
-    every row is float32, as the batched float kernels are faster there)."""
+    """The rows of an m-row product that multiply int8 activations in the decode kernels
+    (pg_gemm_q8) on the q8 path. In a model step: the step's decodes (one new token of a
+    running request); prompt chunks take the int8 GEMM where the CPU has AVX-512 VNNI
+    (`gguf_matmul(int8_prompt=True)`), else float32, so that neither kind of row's numbers
+    depend on what else the step holds. Outside a step (the logits head, direct calls):
+    every row. None where there are none or more than Q8_MAX_ROWS (then every row takes the
+    int8 GEMM, or float32)."""
     from pagellm.attention.backend import current_forward_context
 
     ctx = current_forward_context()
@@ -321,9 +322,9 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     rows get the same numbers whatever else its step holds (the direct kernel's differ in
     rounding, which int8 rounding downstream could turn into a different token).
     `int8_levels` 2 rounds the int8 rows in two levels (HEAD_INT8_LEVELS).
-    `int8_prompt`: a product of more than BATCHED_MAX_ROWS rows (a long prompt chunk) rounds
-    its other rows to int8 too and multiplies them in the int8 GEMM (ggml_i8gemm.c), where
-    the CPU has its AVX-512 VNNI kernel (PROMPT_INT8)."""
+    `int8_prompt`: the other rows (prompt chunks, decodes past Q8_MAX_ROWS) are rounded to
+    int8 too and multiplied in the int8 GEMM (ggml_i8gemm.c), where the CPU has its AVX-512
+    VNNI kernel; the one-region step does the same (pg_step.i8_batched)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
@@ -334,7 +335,7 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     every = bool(q8_groups) and isinstance(q8_rows, slice) and (q8_rows.start, q8_rows.stop) == (0, m)
     float_groups = [g for g in groups if g not in q8_groups] if every else groups
     y = None
-    if int8_prompt and m > BATCHED_MAX_ROWS and k % 32 == 0 and lib.pg_i8gemm_fast():
+    if int8_prompt and k % 32 == 0 and lib.pg_i8gemm_fast():
         y, float_groups = _int8_prompt_product(lib, float_groups, x, n_out)
     if float_groups:
         y = _float_product(lib, float_groups, x, n_out, float_direct_rows, y)
