@@ -44,6 +44,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "template: hermes (<tool_call>{...}</tool_call>, also what the generic tool "
                         "prompt asks for), llama3_json or pythonic. The reply is then not held to a "
                         "grammar (vLLM's behaviour).")
+    p.add_argument("--max-stored-responses", type=_non_negative(int), default=1000,
+                   help="Responses kept in memory for GET /v1/responses/{id} and previous_response_id "
+                        "(those created with store: true, OpenAI's default); past it the oldest is "
+                        "dropped. 0 stores none.")
     p.add_argument("--disable-ui", action="store_true",
                    help="Serve the API only: no chat page at / and no dashboard at /dashboard.")
     p.add_argument("--max-num-queued-requests", type=_non_negative(int), default=None,

@@ -34,6 +34,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import (
@@ -43,6 +44,10 @@ from pagellm.entrypoints.openai.serving_engine import (
     engine_dead_error,
 )
 from pagellm.entrypoints.openai.serving_limits import RequestBodyLimit, ServingLimits
+from pagellm.entrypoints.openai.serving_responses import (
+    DEFAULT_MAX_STORED_RESPONSES,
+    OpenAIServingResponses,
+)
 from pagellm.entrypoints.ui import mount_ui
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -130,7 +135,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
               trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
               enable_auto_tool_choice: bool = False, enable_ui: bool = True,
               model_aliases: list[str] | None = None, max_num_queued_requests: int | None = None,
-              metrics_require_api_key: bool = False, limits: ServingLimits | None = None) -> FastAPI:
+              metrics_require_api_key: bool = False, limits: ServingLimits | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     app = FastAPI(title="pagellm OpenAI-compatible server", version=__version__)
     completions = OpenAIServingCompletion(engine, served_model_names, chat_template, metrics,
                                           model_aliases=model_aliases)
@@ -139,6 +145,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                              tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                              reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
                              model_aliases=model_aliases)
+    responses = OpenAIServingResponses(
+        engine, served_model_names, chat_template, metrics, trust_request_chat_template=trust_request_chat_template,
+        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
+        model_aliases=model_aliases, max_stored_responses=max_stored_responses)
     app.state.engine = engine
     app.state.tool_format = chat.tool_format().describe()
     sched = engine.config.scheduler_config
@@ -200,7 +211,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
             weakref.finalize(stream, slot.release)  # a stream never started still frees its slot
             return StreamingResponse(stream, media_type="text/event-stream")
         slot.release()
-        return JSONResponse(result.model_dump())
+        return JSONResponse(result if isinstance(result, dict) else result.model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
@@ -209,6 +220,14 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await _cancel_on_disconnect(raw, respond(chat, request, raw))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(responses, request, raw))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -315,7 +334,7 @@ def run_server(args: Any) -> int:
                     enable_ui=not args.disable_ui, model_aliases=model_names.aliases,
                     max_num_queued_requests=args.max_num_queued_requests,
                     metrics_require_api_key=args.metrics_require_api_key,
-                    limits=ServingLimits.from_cli_args(args))
+                    limits=ServingLimits.from_cli_args(args), max_stored_responses=args.max_stored_responses)
     logger.info("Tool calls with tool_choice auto: %s", app.state.tool_format)
 
     server: Any = None

@@ -23,6 +23,8 @@ ROUTES = {
     # route: (valid cases, invalid cases); routes without parameters have one case each
     ("POST", "/v1/completions"): (70, 40),
     ("POST", "/v1/chat/completions"): (70, 40),
+    ("POST", "/v1/responses"): (60, 30),
+    ("GET", "/v1/responses/{response_id}"): (5, 0),  # any string is a valid id
     ("POST", "/tokenize"): (30, 20),
     ("POST", "/detokenize"): (30, 20),
     ("GET", "/v1/models"): (1, 0),
@@ -57,8 +59,9 @@ def test_every_route_is_fuzzed(schema: Any) -> None:
 def _steer(body: Any, data: st.DataObject) -> None:
     """Half of the valid cases are made likelier to reach the engine: the schema cannot
     say that `model` must be a served name, that `suffix`/`best_of` are refused, that a
-    message's role is one of a few, or that token ids lie in the vocabulary, and without
-    this almost every case would stop at one of those 4xx answers."""
+    message's role is one of a few, that token ids lie in the vocabulary, or that a
+    previous_response_id must name a stored response, and without this almost every case
+    would stop at one of those 4xx answers."""
     if not isinstance(body, dict) or not data.draw(st.booleans()):
         return
     for key in ("model", "suffix", "best_of"):
@@ -68,6 +71,9 @@ def _steer(body: Any, data: st.DataObject) -> None:
     for message in body.get("messages") or []:
         if isinstance(message, dict):
             message["role"] = data.draw(st.sampled_from(["system", "user", "assistant"]))
+    body.pop("previous_response_id", None)  # a made-up id is always a 404
+    if body.get("input") in ("", []):
+        body["input"] = "Hello"
     prompt = body.get("prompt")
     if prompt == "" or prompt == []:
         body["prompt"] = "Hello"
