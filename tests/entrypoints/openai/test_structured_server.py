@@ -494,3 +494,23 @@ def test_reasoning_content_and_grammar_after_think(reasoning_server) -> None:
         extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
     ).choices[0]
     assert re.fullmatch("[0-9]{3}", after.text) and after.finish_reason == "stop"
+
+
+def test_responses_api_returns_reasoning_items(reasoning_server) -> None:
+    """/v1/responses (issue #34): the reasoning parser's text is a `reasoning` output
+    item, whole and streamed as response.reasoning_text.delta events."""
+    client = _client(reasoning_server)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=ASK_SUM, max_tokens=8, temperature=0)
+    body = dict(model=model, input=ASK_SUM[0]["content"], max_output_tokens=8, temperature=0)
+    r = client.responses.create(**body)
+    [item] = r.output
+    assert item.type == "reasoning" and [c.text for c in item.content] == [chat.choices[0].message.reasoning_content]
+    assert r.status == "incomplete" and r.output_text == ""
+    events = list(client.responses.create(**body, stream=True))
+    pieces = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                        *["response.reasoning_text.delta"] * len(pieces),
+                                        "response.reasoning_text.done", "response.output_item.done",
+                                        "response.incomplete"]
+    assert "".join(pieces) == item.content[0].text == events[-1].response.output[0].content[0].text
