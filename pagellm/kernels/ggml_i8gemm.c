@@ -202,6 +202,7 @@ static void row_portable(int kind, int off, const uint8_t *tile, int64_t G, cons
 
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+typedef int32_t __attribute__((may_alias, aligned(1))) i32u; /* 4 input bytes as one lane */
 
 /* unpack_group's values as one vector (the scales as there): the AVX-512 path's tiles. */
 static inline VNNI512 __m256i group_vec(int type, const uint8_t *row, int64_t g, float *s, float *m) {
@@ -297,7 +298,6 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
     const float *const *d, const int32_t *const *sums, __m512 *acc) {
     const int64_t stride = group_bytes(kind);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i offv = _mm512_set1_epi32(off);
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *t = tile + g * stride;
         const float *f = (const float *)(t + 512);
@@ -306,8 +306,7 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(t + 64 * c));
         const __m512 s = _mm512_loadu_ps(f);
         for (int r = 0; r < R; r++) {
-            int32_t x4[8];
-            memcpy(x4, q[r] + 32 * g, 32);
+            const i32u *x4 = (const i32u *)(q[r] + 32 * g); /* broadcast from memory */
             const float dg = d[r][g];
             const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
             if (kind == SIGNED16) {
@@ -317,8 +316,8 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
                     lo = _mm512_dpbusd_epi32(lo, w[c], _mm512_set1_epi32(x4[c]));
                     hi = _mm512_dpbusd_epi32(hi, w[c + 4], _mm512_set1_epi32(x4[c + 4]));
                 }
-                lo = _mm512_sub_epi32(lo, _mm512_mullo_epi32(offv, _mm512_set1_epi32(s0)));
-                hi = _mm512_sub_epi32(hi, _mm512_mullo_epi32(offv, _mm512_set1_epi32(s1)));
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * s0));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * s1));
                 const __m512 dv = _mm512_set1_ps(dg);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s, dv), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi),

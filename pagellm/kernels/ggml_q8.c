@@ -101,8 +101,8 @@ void pg_quantize_q8_part(const float *X, int64_t ldx, const int64_t *rows, int64
 
 void pg_quantize_q8(const float *X, int64_t ldx, int64_t M, int64_t K, int64_t levels,
                     int8_t *QX, float *DX, int32_t *SX) {
-    const pg_team alone = {0, 1, NULL};
-    pg_quantize_q8_part(X, ldx, NULL, M, K, levels, QX, DX, SX, &alone);
+    /* one thread for decode rows; a team for a prompt's (the int8 GEMM's inputs) */
+    PG_TEAM_RUN(M * K >= 1 << 18, pg_quantize_q8_part(X, ldx, NULL, M, K, levels, QX, DX, SX, &team));
 }
 
 #ifdef PG_AVX2
