@@ -37,12 +37,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Accepted for vLLM scripts: tool_choice 'auto' (OpenAI's default with tools) "
                         "works without it, in the format the chat template teaches (hermes, "
-                        "llama3_json, pythonic), or, for a template without one, with the generic "
+                        "llama3_json, mistral, pythonic), or, for a template without one, with the generic "
                         "tool prompt and the reply held to text or tool calls.")
     p.add_argument("--tool-call-parser", default=None,
                    help="How the model writes tool calls, instead of the format read from the chat "
                         "template: hermes (<tool_call>{...}</tool_call>, also what the generic tool "
-                        "prompt asks for), llama3_json or pythonic. The reply is then not held to a "
+                        "prompt asks for), llama3_json, mistral or pythonic. The reply is then not held to a "
                         "grammar (vLLM's behaviour).")
     p.add_argument("--max-stored-responses", type=_non_negative(int), default=1000,
                    help="Responses kept in memory for GET /v1/responses/{id} and previous_response_id "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # before agents is imported
 
@@ -65,6 +66,10 @@ MISTRAL_LIKE = (
     "{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS]{%- endif %}{{ m['content'] }}"
     "{%- endfor %}"
 )
+UNKNOWN_FORMAT = (
+    "{%- if tools %}<functions>{{ tools | tojson }}</functions>{%- endif %}"
+    "{%- for m in messages %}{{ m['content'] }}{%- endfor %}"
+)
 NO_TOOLS = "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor %}"
 
 
@@ -74,11 +79,12 @@ NO_TOOLS = "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%- end
         (QWEN_LIKE, "hermes"),
         (LLAMA31_LIKE, "llama3_json"),
         (LLAMA4_PYTHONIC_LIKE, "pythonic"),
-        (MISTRAL_LIKE, None),  # no [TOOL_CALLS] parser here: the generic prompt
+        (MISTRAL_LIKE, "mistral"),
+        (UNKNOWN_FORMAT, None),  # tools rendered, no format read here: the generic prompt
         (NO_TOOLS, None),
         ("{{ '<tool_call>' }}{%- for m in messages %}{{ m['content'] }}{%- endfor %}", None),
     ],
-    ids=["hermes", "llama3_json", "pythonic", "mistral", "no-tools", "marker-without-tools"],
+    ids=["hermes", "llama3_json", "pythonic", "mistral", "unknown", "no-tools", "marker-without-tools"],
 )
 def test_the_template_names_the_tool_call_parser(template, parser) -> None:
     assert template_tool_parser(template) == parser
@@ -295,3 +301,44 @@ def test_a_conversation_ending_in_tool_results_continues_the_callers_turn() -> N
                                    tools=[WEATHER_TOOL])
     assert followed.endswith("</tool_response><|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n"
                              "<|im_start|>assistant\n")
+
+
+# -- a template that teaches a format: its parser, no flags ---------------------------------------
+
+MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.fixture(scope="module")
+def mistral_server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("mistral") / "template.jinja"
+    template.write_text(MISTRAL_LIKE + "{{ '[/INST]' }}")
+    srv = ServerProcess("--chat-template", str(template), "--disable-ui")
+    yield srv
+    srv.stop()
+
+
+def test_the_template_format_is_parsed_without_flags(mistral_server) -> None:
+    client = _client(mistral_server)
+    model = _model(mistral_server)
+    # The small model does not write Mistral's syntax by itself: a regex makes it.
+    regex = {"structured_outputs": {"regex": re.escape(MISTRAL_CALL)}}
+    body = dict(model=model, messages=ASK_WEATHER, tools=[WEATHER_TOOL], temperature=0, max_tokens=40,
+                extra_body=regex)
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    frags = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert frags[0].function.name == "get_weather"
+    assert "".join(f.function.arguments or "" for f in frags) == call.function.arguments
+    # the template rendered the tools itself (no generic prompt): the prompt the server ran
+    from pagellm.entrypoints.chat_utils import apply_chat_template
+    from pagellm.model_executor.loader import default_model_path, load_tokenizer
+
+    tok = load_tokenizer(default_model_path())
+    text = apply_chat_template(tok, ASK_WEATHER, MISTRAL_LIKE + "{{ '[/INST]' }}", tools=[WEATHER_TOOL])
+    assert text.startswith("[AVAILABLE_TOOLS]") and "# Tools" not in text
+    with_tools = client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                                max_tokens=1)
+    assert with_tools.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))

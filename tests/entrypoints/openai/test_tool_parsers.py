@@ -97,9 +97,9 @@ def check_parser(parser_name: str, text: str, content: str | None, calls: list[t
 
 
 def test_registry_has_vllm_names_and_refuses_others():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "pythonic"}
-    with pytest.raises(ValueError, match="hermes, llama3_json, pythonic"):
-        get_tool_parser("mistral")
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+        get_tool_parser("granite")
 
 
 # --------------------------------------------------------------------------- hermes
@@ -289,6 +289,30 @@ def test_llama3_json_malformed_after_the_call_is_content_when_not_streamed():
 )
 def test_pythonic(text, content, calls):
     check_parser("pythonic", text, content, calls)
+
+
+# --------------------------------------------------------------------------- mistral
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "SF"}}]', None,
+         [("get_weather", {"city": "SF"})]),
+        ('Checking.[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, "]"]}}]',
+         "Checking.", [("a", {}), ("b", {"x": [1, "]"]})]),
+        ('[TOOL_CALLS][{"name": "a", "arguments": {}}] Done.', "Done.", [("a", {})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "SF"}', None, [("get_weather", {"city": "SF"})]),
+        ('[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x": "[ARGS]"}', None, [("a", {}), ("b", {"x": "[ARGS]"})]),
+        ("Hello there", "Hello there", []),
+        ("Use [TOOL", "Use [TOOL", []),
+        ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+        ('[TOOL_CALLS]get_weather{"city": "SF"}', '[TOOL_CALLS]get_weather{"city": "SF"}', []),
+        ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
+    ],
+)  # fmt: skip
+def test_mistral(text, content, calls):
+    check_parser("mistral", text, content, calls)
 
 
 # --------------------------------------------------------------------------- tool_choice

@@ -17,12 +17,14 @@ from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
 )
 from pagellm.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
 from pagellm.entrypoints.openai.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
+from pagellm.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
 from pagellm.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
 from pagellm.utils import lookup
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
 }
 

@@ -19,14 +19,14 @@ _FORMATS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("hermes", re.compile(re.escape("<tool_call>"))),  # Hermes 2/3, Qwen 2/2.5/3, SmolLM3
     ("pythonic", re.compile(r"\[func_name1\(")),  # Llama 3.2 / 4 pythonic, ToolACE
     ("llama3_json", re.compile(re.escape("<|python_tag|>") + "|respond with a JSON for a function call")),
+    ("mistral", re.compile(re.escape("[TOOL_CALLS]"))),  # Mistral 7B v0.3, Nemo, Small 3.x, Devstral
 )
 
 
 @functools.lru_cache(maxsize=16)
 def template_tool_parser(template: str) -> str | None:
     """The parser name for the tool calls `template`'s model writes, or None: the template
-    renders no tools, or writes them in a format without a parser here (Mistral's
-    `[TOOL_CALLS]`, for one)."""
+    renders no tools, or writes them in a format without a parser here."""
     if not template_supports_tools(template):
         return None
     return next((name for name, pattern in _FORMATS if pattern.search(template)), None)
