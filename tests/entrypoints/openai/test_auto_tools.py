@@ -342,3 +342,14 @@ def test_the_template_format_is_parsed_without_flags(mistral_server) -> None:
     with_tools = client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
                                                 max_tokens=1)
     assert with_tools.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_an_unknown_tool_call_parser_is_refused_before_loading() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pagellm", "serve", "--tool-call-parser", "granite",
+                          "--enable-auto-tool-choice", "--port", "0"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert "hermes, llama3_json, mistral, pythonic" in out.stderr.strip().splitlines()[-1]
