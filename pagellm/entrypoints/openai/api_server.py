@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.anthropic.protocol import MessagesRequest
+from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
 from pagellm.entrypoints.openai.model_names import served_model_names
 from pagellm.entrypoints.openai.protocol import (
@@ -150,6 +152,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
         model_aliases=model_aliases, max_stored_responses=max_stored_responses)
+    messages = AnthropicServingMessages(
+        engine, served_model_names, chat_template, metrics, trust_request_chat_template=trust_request_chat_template,
+        tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
+        model_aliases=model_aliases)
     app.state.engine = engine
     app.state.tool_format = chat.tool_format().describe()
     sched = engine.config.scheduler_config
@@ -187,6 +194,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         path = request.url.path
         if api_key and (path.startswith("/v1") or path in guarded):
             given = request.headers.get("authorization", "")
+            if not given and request.headers.get("x-api-key"):  # Anthropic's clients send the key so
+                given = f"Bearer {request.headers['x-api-key']}"
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(OpenAIError("Invalid or missing API key.", HTTPStatus.UNAUTHORIZED,
                                           err_type="AuthenticationError"))
@@ -228,6 +237,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.retrieve(response_id))
+
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(messages, request, raw))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -25,6 +25,7 @@ ROUTES = {
     ("POST", "/v1/chat/completions"): (70, 40),
     ("POST", "/v1/responses"): (60, 30),
     ("GET", "/v1/responses/{response_id}"): (5, 0),  # any string is a valid id
+    ("POST", "/v1/messages"): (50, 30),
     ("POST", "/tokenize"): (30, 20),
     ("POST", "/detokenize"): (30, 20),
     ("GET", "/v1/models"): (1, 0),
