@@ -353,3 +353,34 @@ def test_an_unknown_tool_call_parser_is_refused_before_loading() -> None:
                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2
     assert "hermes, llama3_json, mistral, pythonic" in out.stderr.strip().splitlines()[-1]
+
+
+def test_agents_sdk_tool_round_trip_prefills_only_the_new_turn(server) -> None:
+    """The turn after a tool call finds the whole first turn's prompt in the prefix cache
+    (the generic format keeps the history's text as it was): it computes only what the
+    call and its result added, give or take a block (16 tokens)."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
+
+    def cache() -> tuple[float, float]:
+        return server.metric("pagellm:prefix_cache_queries_total"), server.metric("pagellm:prefix_cache_hits_total")
+
+    marks = [cache()]
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        marks.append(cache())  # after the first turn, before the second
+        return WEATHER_RESULT
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+    agent = Agent(name="weather", model=OpenAIChatCompletionsModel(model=_model(server), openai_client=client),
+                  tools=[get_weather], instructions="You tell the weather.",
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+    result = Runner.run_sync(agent, "What is the weather like in London today?", max_turns=3)
+    marks.append(cache())
+    first, second = (r.usage.input_tokens for r in result.raw_responses)
+    queries = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+    computed = [q - (b[1] - a[1]) for q, a, b in zip(queries, marks, marks[1:])]
+    assert queries == [first, second]  # nothing else ran meanwhile
+    assert computed[0] == first  # a new conversation: all of it
+    assert computed[1] <= second - first + 16
