@@ -86,15 +86,15 @@ class _ToolFormat:
     """How "auto" tool calls are written and read for one chat template."""
 
     parser: str
-    # from the template's own tool format (False: the generic prompt)
-    native: bool
-    # --tool-call-parser chose it
-    from_flag: bool = False
+    # "flag": --tool-call-parser's (vLLM's path: the template renders tools if it can, else
+    # the generic prompt, and no grammar); "template": the format the template teaches;
+    # "generic": the generic prompt, its replies held to text or calls
+    source: str
 
     def describe(self) -> str:
-        if self.from_flag:
+        if self.source == "flag":
             return f"{self.parser} (--tool-call-parser)"
-        if self.native:
+        if self.source == "template":
             return f"{self.parser}, the chat template's format"
         return "the generic tool prompt (hermes syntax), replies held to text or tool calls"
 
@@ -134,17 +134,17 @@ class OpenAIServingChat(OpenAIServing):
         if choice != "auto":
             return _ToolPlan(choice=choice, constrained=True)
         fmt = self.tool_format(request.chat_template or (request.chat_template_kwargs or {}).get("chat_template"))
-        return _ToolPlan(choice=choice, parser=self._parser(fmt.parser), generic=not fmt.native,
-                         reply_grammar=not fmt.native and not fmt.from_flag)
+        generic = fmt.source == "generic"
+        return _ToolPlan(choice=choice, parser=self._parser(fmt.parser), generic=generic, reply_grammar=generic)
 
     def tool_format(self, request_template: str | None = None) -> _ToolFormat:
         """The format of "auto" tool calls: --tool-call-parser's, else the one the chat
         template teaches, else the generic prompt's (hermes syntax)."""
         if self.tool_call_parser:
-            return _ToolFormat(self.tool_call_parser, native=True, from_flag=True)
+            return _ToolFormat(self.tool_call_parser, "flag")
         template = request_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         name = template_tool_parser(template) if isinstance(template, str) else None
-        return _ToolFormat(name or "hermes", native=name is not None)
+        return _ToolFormat(name, "template") if name else _ToolFormat("hermes", "generic")
 
     def _parser(self, name: str) -> ToolParser:
         if name not in self._parsers:
