@@ -288,9 +288,10 @@ class FusedDecodeStack:
         """Whether the step's decode rows multiply int8 activations (int8_rows); the float
         rows then take the batched kernel at any count, as on the module path."""
         s.eps, s.direct_rows = self.eps, 0 if self.q8 else DIRECT_MAX_ROWS
-        s.i8_batched = int(self.q8 and s.int8_levels == 1 and bool(lib.pg_i8gemm_fast()))
-        """Rows that are not int8 decode rows (prompt chunks, decodes past Q8_MAX_ROWS)
-        round to int8 too and take the int8 GEMM, as `gguf_matmul(int8_prompt=True)` does."""
+        self.i8 = self.q8 and s.int8_levels == 1 and bool(lib.pg_i8gemm_fast())
+        """Whether a step of only decodes, more than Q8_MAX_ROWS of them, rounds them to int8
+        too and takes the int8 GEMM (pg_step.i8_batched), as `gguf_matmul` does
+        (`int8_gemm_rows`); steps with prompt rows keep float32 here."""
         self._layers_ptr = ctypes.addressof(self._layers)
         self._step_ptr = ctypes.addressof(self._step)
 
@@ -383,6 +384,7 @@ class FusedDecodeStack:
             return None
         s, width = self._step, x.shape[1]
         s.NB, s.bs, s.kv_type = self.NB, self.bs, self.kv_type
+        s.i8_batched = int(self.i8 and md.decode_only)
         for i, rows in enumerate(views):
             s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)

@@ -54,9 +54,9 @@ against 0.68 ms for one level, 3-5% of its decode step."""
 
 Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations in the decode kernels (the q8
-path): a step's decode rows, or a logits head's rows. Past it every row takes the int8
-GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched float
-kernels are faster than the decode kernels (benchmarks/kernels.py)."""
+path): a step's decode rows, or a logits head's rows. Past it a decode-only step takes the
+int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched
+float kernels are faster than the decode kernels (benchmarks/kernels.py)."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
@@ -107,7 +107,8 @@ class GGUFConfig(QuantizationConfig):
                 logger.info("GGUF linears: float32 activations (the exact path)")
             else:
                 lib = load_kernels()
-                prompt = ("prompt rows and decodes past that int8 too (AVX-512 VNNI GEMM)"
+                prompt = (f"prompt chunks over {BATCHED_MAX_ROWS} rows and steps of more "
+                          "decodes int8 too (AVX-512 VNNI GEMM), shorter prompt chunks float32"
                           if activations == "q8" and lib is not None and lib.pg_i8gemm_fast()
                           else "prompt rows float32")
                 logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
@@ -268,11 +269,10 @@ class GGUFLinearMethod(QuantizeMethodBase):
 def int8_rows(m: int) -> slice | torch.Tensor | None:
     """The rows of an m-row product that multiply int8 activations in the decode kernels
     (pg_gemm_q8) on the q8 path. In a model step: the step's decodes (one new token of a
-    running request); prompt chunks take the int8 GEMM where the CPU has AVX-512 VNNI
-    (`gguf_matmul(int8_prompt=True)`), else float32, so that neither kind of row's numbers
-    depend on what else the step holds. Outside a step (the logits head, direct calls):
-    every row. None where there are none or more than Q8_MAX_ROWS (then every row takes the
-    int8 GEMM, or float32)."""
+    running request); prompt chunks stay float32 (long ones take the int8 GEMM:
+    `int8_gemm_rows`), so that neither kind of row's numbers depend on what else the step
+    holds. Outside a step (the logits head, direct calls): every row. None where there are
+    none or more than Q8_MAX_ROWS (then the int8 GEMM or float32, `int8_gemm_rows`)."""
     from pagellm.attention.backend import current_forward_context
 
     ctx = current_forward_context()
@@ -281,6 +281,27 @@ def int8_rows(m: int) -> slice | torch.Tensor | None:
         return None
     n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
     return rows if 0 < n <= Q8_MAX_ROWS else None
+
+
+def int8_gemm_rows(m: int) -> bool:
+    """Whether the rows of an m-row product on the q8 path that are not int8 decode rows
+    take the int8 GEMM (where the CPU has AVX-512 VNNI) rather than float32: a long prompt
+    chunk (more than BATCHED_MAX_ROWS rows: 1.5-2x faster at 1B shapes, held to the q8
+    quality bounds, tests/model_executor/test_q8_quality.py), or a step of decodes only
+    (more than Q8_MAX_ROWS of them; a batched decode step 1.2-2.1x faster). Shorter prompt
+    chunks (a chat turn) stay float32: their time is small, and their last row's logits
+    pick the reply's first token, where one int8 level flips near-ties (the default model
+    answers "What is the capital of France?" with "L'Étoile, ..." from an int8 prompt,
+    "The capital of France is Paris." from a float32 one)."""
+    if m > BATCHED_MAX_ROWS:
+        return True
+    from pagellm.attention.backend import current_forward_context
+
+    ctx = current_forward_context()
+    if ctx is None:
+        return False
+    rows = ctx.decode_rows
+    return isinstance(rows, slice) and (rows.start, rows.stop) == (0, m) and m > Q8_MAX_ROWS
 
 
 def _group_data(members: list[Any]) -> np.ndarray:
@@ -322,9 +343,11 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     rows get the same numbers whatever else its step holds (the direct kernel's differ in
     rounding, which int8 rounding downstream could turn into a different token).
     `int8_levels` 2 rounds the int8 rows in two levels (HEAD_INT8_LEVELS).
-    `int8_prompt`: the other rows (prompt chunks, decodes past Q8_MAX_ROWS) are rounded to
-    int8 too and multiplied in the int8 GEMM (ggml_i8gemm.c), where the CPU has its AVX-512
-    VNNI kernel; the one-region step does the same (pg_step.i8_batched)."""
+    `int8_prompt`: where `int8_gemm_rows(m)` (a prompt chunk longer than BATCHED_MAX_ROWS,
+    or more than Q8_MAX_ROWS decodes alone in a step) the other rows are rounded to int8 too
+    and multiplied in the int8 GEMM (ggml_i8gemm.c), where the CPU has its AVX-512 VNNI
+    kernel; the one-region step does the same for its decode-only steps
+    (pg_step.i8_batched)."""
     lib = _kernels()
     if x.dtype != torch.float32:
         raise TypeError(f"GGUF linears compute in float32, got {x.dtype} activations")
@@ -335,7 +358,7 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     every = bool(q8_groups) and isinstance(q8_rows, slice) and (q8_rows.start, q8_rows.stop) == (0, m)
     float_groups = [g for g in groups if g not in q8_groups] if every else groups
     y = None
-    if int8_prompt and k % 32 == 0 and lib.pg_i8gemm_fast():
+    if int8_prompt and k % 32 == 0 and int8_gemm_rows(m) and lib.pg_i8gemm_fast():
         y, float_groups = _int8_prompt_product(lib, float_groups, x, n_out)
     if float_groups:
         y = _float_product(lib, float_groups, x, n_out, float_direct_rows, y)
