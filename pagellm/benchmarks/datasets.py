@@ -117,19 +117,23 @@ def text_requests(
 
 
 def add_dataset_args(
-    parser: argparse.ArgumentParser, *, varied: bool = True, seed: bool = True
+    parser: argparse.ArgumentParser, *, varied: bool = True, seed: bool = True,
+    num_prompts: int = 1000, input_len: int = 1024,
 ) -> None:
     """The workload flags (vLLM's names). `seed=False` where EngineArgs already adds
-    --seed (the offline benchmarks seed the engine and the workload with it)."""
+    --seed (the offline benchmarks seed the engine and the workload with it).
+    `num_prompts` / `input_len`: the defaults shown (vLLM's: 1000 x 1024; resolve_lengths
+    fills the length)."""
     g = parser.add_argument_group("workload")
     choices = ["random", "varied"] if varied else ["random"]
     g.add_argument("--dataset-name", choices=choices, default="random",
                    help="random: lengths len*(1±ratio); varied: uniform in [min, max].")
-    g.add_argument("--num-prompts", type=int, default=1000, help="Number of requests.")
+    g.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help=f"Number of requests (default {num_prompts}).")
     if seed:
         g.add_argument("--seed", type=int, default=0, help="Seed of the workload generator.")
     g.add_argument("--random-input-len", type=int, default=None,
-                   help="Prompt tokens per request (default 1024). Alias: --input-len.")
+                   help=f"Prompt tokens per request (default {input_len}). Alias: --input-len.")
     g.add_argument("--random-output-len", type=int, default=None,
                    help="Output tokens per request (default 128). Alias: --output-len.")
     g.add_argument("--input-len", type=int, default=None, help="Same as --random-input-len.")

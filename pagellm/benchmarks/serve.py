@@ -244,6 +244,13 @@ def print_metrics(m: dict[str, Any], percentiles: list[float]) -> None:
 # -- CLI ------------------------------------------------------------------------------
 
 
+SERVE_NUM_PROMPTS = 64
+SERVE_INPUT_LEN = 256
+"""`pagellm bench serve`'s default workload: 64 requests of 256 prompt tokens (128 out),
+a couple of minutes against the default model on 2 cores. vLLM's defaults, 1000 x 1024,
+take an hour there; pass `--num-prompts 1000 --random-input-len 1024` for them."""
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--base-url", default=None, help="Server URL, e.g. http://127.0.0.1:8000 "
@@ -277,7 +284,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
                       help="Accepted as in vLLM; TTFT, TPOT, ITL and E2EL are all reported.")
     load.add_argument("--disable-tqdm", action="store_true")
-    add_dataset_args(parser, varied=True, seed=True)
+    add_dataset_args(parser, varied=True, seed=True, num_prompts=SERVE_NUM_PROMPTS,
+                     input_len=SERVE_INPUT_LEN)
     out = parser.add_argument_group("results")
     out.add_argument("--save-result", action="store_true", help="Write the results as JSON.")
     out.add_argument("--result-dir", default=None, help="Directory of the JSON (default: cwd).")
@@ -323,7 +331,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark the flags describe; returns the metrics, the per-request lists
     and the settings (what --save-result writes)."""
     # 1. where to send, as whom, which model
-    resolve_lengths(args)
+    resolve_lengths(args, default_in=SERVE_INPUT_LEN)
     if not args.request_rate > 0:
         raise SystemExit(f"error: --request-rate must be > 0 (or inf), got {args.request_rate:g}")
     if args.backend == "openai-chat" and args.endpoint == "/v1/completions":

@@ -90,6 +90,15 @@ def test_input_len_is_an_alias_of_random_input_len(add) -> None:
         datasets.resolve_lengths(args)
 
 
+def test_serve_defaults_suit_a_small_machine_and_throughput_keeps_vllms() -> None:
+    args = _parser(serve.add_cli_args).parse_args([])
+    datasets.resolve_lengths(args, default_in=serve.SERVE_INPUT_LEN)
+    assert (args.num_prompts, args.random_input_len, args.random_output_len) == (64, 256, 128)
+    args = _parser(throughput.add_cli_args).parse_args([])
+    datasets.resolve_lengths(args)
+    assert (args.num_prompts, args.random_input_len, args.random_output_len) == (1000, 1024, 128)
+
+
 def test_varied_dataset_flags() -> None:
     args = _parser(throughput.add_cli_args).parse_args(
         ["--dataset-name", "varied", "--num-prompts", "50", "--min-input-len", "4",
