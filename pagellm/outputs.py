@@ -11,6 +11,7 @@ dicts there. Plain data: imports msgspec, never torch or another pagellm module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -42,6 +43,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Prompt logprobs computed this step (for the chunk just run), by request.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Pooling requests whose prompt finished this step: the pooled hidden state as
+    # float32 bytes (not yet normalised; the frontend applies PoolingParams).
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
 
 
 # -- user-facing -----------------------------------------------------------------------
@@ -158,3 +162,57 @@ def _append_completion(into: CompletionOutput, delta: CompletionOutput) -> None:
     into.cumulative_logprob = delta.cumulative_logprob
     into.finish_reason = delta.finish_reason
     into.stop_reason = delta.stop_reason
+
+
+# -- pooling (embeddings) --------------------------------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector. vLLM's field name; the value is a numpy float32
+    array here (vLLM: a torch tensor; `torch.from_numpy(data)` makes one), so the
+    frontend needs no torch."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request (LLM.encode)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The output of one embedding request (LLM.embed), vLLM's shape."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished, output.prompt)

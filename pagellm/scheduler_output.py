@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens whose KV is already in the cache (prefix-cache hits); this step starts here.
     num_computed_tokens: int
+    # Set for a pooling request: the runner pools its prompt's hidden states, no sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

@@ -15,6 +15,22 @@ if TYPE_CHECKING:  # the CLI parses and checks flags without loading torch
     import torch
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's PoolerConfig, the fields pagellm reads (--pooler-config as JSON)."""
+
+    pooling_type: str | None = None
+    """LAST (the final prompt token's hidden state, vLLM's default for decoders), MEAN
+    (the average over the prompt's tokens) or CLS (the first token's); None: from the
+    model's sentence-transformers config (1_Pooling/config.json), else LAST."""
+    normalize: bool | None = None
+    """Default of PoolingParams.normalize; None: True unless the model's
+    sentence-transformers modules.json lists no Normalize module."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -48,6 +64,23 @@ class ModelConfig:
     """Activations of GGUF linears on decode rows: 'q8' (int8 per 32 values, as llama.cpp),
     'q8x2' (two int8 levels) or 'float32' (exact); EngineArgs stores it resolved, 'auto'
     (the rule in quantization.resolve_gguf_activations) is resolved when the model loads."""
+    runner_type: str = "generate"
+    """'generate' (sampling, the completion endpoints) or 'pooling' (embeddings: each
+    prompt runs once and its pooled final hidden state is returned). vLLM's --runner."""
+    pooler_config: PoolerConfig | None = None
+    """How a pooling engine pools (resolved; None on a generate engine)."""
+
+    @property
+    def is_matryoshka(self) -> bool:
+        return bool(getattr(self.hf_config, "is_matryoshka", False) or self.matryoshka_dimensions)
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        return getattr(self.hf_config, "matryoshka_dimensions", None)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str):  # torch.float32 -> 'float32'

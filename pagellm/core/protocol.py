@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pagellm.outputs import LogprobsLists
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     data_parallel_rank: int | None = None
     client_index: int = 0
+    pooling_params: PoolingParams | None = None  # set: a pooling request (no sampling)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -65,6 +67,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None
     num_cached_tokens: int = 0
+    pooling_output: bytes | None = None  # a pooling request's pooled hidden state, float32
 
     @property
     def finished(self) -> bool:

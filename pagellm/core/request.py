@@ -17,6 +17,7 @@ from pagellm.core.protocol import (
     EngineCoreRequest,
     FinishReason,
 )
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Request:
         priority: int = 0,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
         client_index: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +71,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.client_index = client_index
+        # Set for a pooling request: it runs its prompt once and finishes with the pooled
+        # hidden state the runner returns, sampling nothing.
+        self.pooling_params = pooling_params
         self.eos_token_id = sampling_params.eos_token_id
         if sampling_params.max_tokens is None:  # the input processor fills it from the context left
             raise ValueError(f"Request {request_id!r} reached the engine core without max_tokens.")
@@ -107,6 +112,7 @@ class Request:
             priority=request.priority,
             block_hasher=block_hasher,
             client_index=request.client_index,
+            pooling_params=request.pooling_params,
         )
 
     # -- token bookkeeping -------------------------------------------------------------

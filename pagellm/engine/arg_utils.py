@@ -31,6 +31,7 @@ from pagellm.config import (
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -166,6 +167,20 @@ class EngineArgs:
     reasoning_parser: str = ""
     """Reasoning parser for the model's output (deepseek_r1, qwen3): the server returns the
     reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
+    runner: str = "auto"
+    """What the engine runs the model for (vLLM's --runner): 'generate' (completions and
+    chat), 'pooling' (embeddings: LLM.embed / LLM.encode, /v1/embeddings; each prompt
+    runs once through the model, no token is sampled) or 'auto' ('pooling' with
+    --convert embed, else 'generate')."""
+    convert: str = "auto"
+    """Adapt the checkpoint to the runner (vLLM's --convert): 'embed' serves a generative
+    checkpoint as an embedding model (its final-norm hidden states pooled; implies
+    --runner pooling); 'none' or 'auto' (embed under --runner pooling) leave it."""
+    pooler_config: Any = None
+    """Pooling of a pooling runner, a dict (JSON on the command line) of PoolerConfig
+    fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}. Default: the
+    model's sentence-transformers config (modules.json, 1_Pooling/config.json), else last
+    token, normalised (vLLM's default for decoder models)."""
     disable_log_stats: bool = False
     """Do not log throughput statistics periodically."""
     trust_remote_code: bool = False
@@ -182,6 +197,8 @@ class EngineArgs:
         self.structured_outputs_config = normalize_config(
             "structured_outputs_config", self.structured_outputs_config, StructuredOutputsConfig
         )
+        if self.pooler_config is not None:
+            self.pooler_config = normalize_config("pooler_config", self.pooler_config, PoolerConfig)
 
     # -- CLI -------------------------------------------------------------------------
 
@@ -200,7 +217,7 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             elif f.name == "compilation_config":
                 group.add_argument(flag, "-O", type=_parse_compilation, default=None, help=help_text)
-            elif f.name == "structured_outputs_config":
+            elif f.name in ("structured_outputs_config", "pooler_config"):
                 group.add_argument(flag, type=_parse_json_object, default=None, help=help_text)
             elif f.name == "served_model_name":  # one or more, as in vLLM
                 group.add_argument(flag, nargs="+", default=default, help=help_text)
@@ -269,7 +286,11 @@ class EngineArgs:
             quantization=self._resolve_quantization(model_path, device),
             max_logprobs=self.max_logprobs,
             gguf_activations=resolve_gguf_activations(self.gguf_activations),
+            runner_type=self._resolve_runner(),
         )
+        if model_config.runner_type == "pooling":
+            model_config = dataclasses.replace(
+                model_config, pooler_config=loader.load_pooler_config(model_path, self.pooler_config))
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -289,7 +310,7 @@ class EngineArgs:
                 cache_dtype=self._resolve_kv_cache_dtype(model_config, device),
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self._prefix_caching(model_config),
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
@@ -314,6 +335,26 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser or self.structured_outputs_config.reasoning_parser,
             ),
         )
+
+    def _resolve_runner(self) -> str:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be one of auto, generate, pooling; got {self.runner!r}.")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"convert must be one of auto, none, embed; got {self.convert!r}.")
+        if self.convert == "embed" and self.runner == "generate":
+            raise ValueError("convert='embed' makes an embedding model, which needs runner='pooling' "
+                             "(or 'auto'), not 'generate'.")
+        if self.runner == "pooling" or self.convert == "embed":
+            return "pooling"
+        if self.pooler_config is not None:
+            raise ValueError("pooler_config applies to a pooling engine: add --runner pooling (or --convert embed).")
+        return "generate"
+
+    def _prefix_caching(self, model_config: ModelConfig) -> bool:
+        """Mean and CLS pooling read every prompt token's hidden state, which a prefix-cache
+        hit skips; last-token pooling always recomputes the last token, so it keeps it."""
+        pooler = model_config.pooler_config
+        return self.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
 
     def verify_args(self) -> None:
         """Checks each option on its own (no model needed; the CLI calls this before loading)."""

@@ -22,7 +22,8 @@ from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_front
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagellm.inputs import PromptType
 from pagellm.logger import init_logger
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -84,7 +85,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType | EngineCoreRequest,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
@@ -149,6 +150,19 @@ class AsyncLLM:
         except Exception as e:
             await self.abort(request_id)
             raise EngineGenerateError(str(e)) from e
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's AsyncLLM.encode (a pooling engine): one PoolingRequestOutput, once the
+        prompt has run."""
+        async for out in self.generate(prompt, pooling_params, request_id, priority=priority):  # type: ignore[arg-type]
+            yield out  # type: ignore[misc]
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

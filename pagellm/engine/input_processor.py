@@ -15,7 +15,15 @@ import msgspec
 from pagellm.config import ModelConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.inputs import PromptType
-from pagellm.sampling_params import ALL_LOGPROBS, SamplingParams
+from pagellm.pooling_params import PoolingParams
+from pagellm.sampling_params import ALL_LOGPROBS, RequestOutputKind, SamplingParams
+
+GENERATE_ON_POOLING = ("This engine runs the model as a pooling (embedding) model (--runner pooling / "
+                       "--convert embed): it returns embeddings, not generated text. Start it without "
+                       "--runner pooling and --convert embed to generate.")
+POOLING_ON_GENERATE = ("This engine runs the model for generation; embeddings need a pooling engine: "
+                       "start it with --runner pooling (or --convert embed), LLM(model, runner='pooling') "
+                       "offline.")
 
 
 class InputProcessor:
@@ -55,12 +63,17 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,
         data_parallel_rank: int | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        """A SamplingParams request on a generate engine, a PoolingParams one on a pooling
+        engine; the other way round is the caller's error, naming the flag."""
+        pooling = isinstance(params, PoolingParams)
+        if pooling != (self.model_config.runner_type == "pooling"):
+            raise ValueError(POOLING_ON_GENERATE if pooling else GENERATE_ON_POOLING)
         # Checked here, in the caller: a field of the wrong type would fail only when the
         # engine core decodes the message, far from the request that caused it.
         if not isinstance(priority, int):
@@ -74,8 +87,15 @@ class InputProcessor:
                 f"data_parallel_rank {data_parallel_rank!r} is out of range [0, {self.data_parallel_size})."
             )
         prompt_text, prompt_ids = self.tokenize_prompt(prompt, add_special_tokens)
-        self._validate_prompt(prompt_ids)
-        params = self._complete_params(params, len(prompt_ids))
+        self._validate_prompt(prompt_ids, pooling)
+        pooling_params = None
+        if isinstance(params, PoolingParams):
+            pooling_params = self.complete_pooling_params(params)
+            # The core reads max_tokens and the output kind of every request; a pooling
+            # request samples nothing, and finishes when its prompt has run.
+            params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        else:
+            params = self._complete_params(params, len(prompt_ids))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -83,17 +103,24 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             data_parallel_rank=data_parallel_rank,
+            pooling_params=pooling_params,
         )
         return request, prompt_text
 
-    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+    def _validate_prompt(self, prompt_ids: list[int], pooling: bool = False) -> None:
         if not prompt_ids:
             raise ValueError("The prompt is empty: it must contain at least one token.")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} in the prompt is out of vocabulary range [0, {self.vocab_size}).")
         max_len = self.model_config.max_model_len
-        if len(prompt_ids) >= max_len:
+        if pooling and len(prompt_ids) > max_len:  # vLLM's words
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(prompt_ids)} tokens in the input for embedding generation. Please reduce the "
+                "length of the input."
+            )
+        if not pooling and len(prompt_ids) >= max_len:
             raise ValueError(
                 f"The prompt (length {len(prompt_ids)}) is longer than the maximum model length "
                 f"of {max_len}; it must be shorter so at least one token can be generated."
@@ -119,6 +146,30 @@ class InputProcessor:
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
         _check_wire_types(params)
+        return params
+
+    def complete_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """dimensions checked against the model (matryoshka only, as vLLM); normalize
+        filled with the model's default."""
+        params = params.clone()
+        mc = self.model_config
+        if params.dimensions is not None:
+            if not mc.is_matryoshka:
+                raise ValueError(
+                    f'Model "{mc.served_model_name}" does not support matryoshka representation, '
+                    "changing output dimensions will lead to poor results."
+                )
+            allowed = mc.matryoshka_dimensions
+            if allowed is not None and params.dimensions not in allowed:
+                raise ValueError(
+                    f'Model "{mc.served_model_name}" only supports {allowed} matryoshka dimensions, '
+                    f"using other output dimensions will lead to poor results."
+                )
+            if params.dimensions > mc.hidden_size:
+                raise ValueError(f"dimensions {params.dimensions} is over the model's {mc.hidden_size}.")
+        if params.normalize is None:
+            assert mc.pooler_config is not None
+            params.normalize = mc.pooler_config.normalize
         return params
 
     def _validate_logprobs(self, params: SamplingParams) -> None:

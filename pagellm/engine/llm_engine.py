@@ -22,6 +22,7 @@ from pagellm.engine.input_processor import InputProcessor
 from pagellm.engine.output_processor import OutputProcessor, ParentRequest
 from pagellm.inputs import PromptType
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -98,7 +99,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         add_special_tokens: bool = True,

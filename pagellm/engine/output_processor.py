@@ -23,6 +23,8 @@ from pagellm.metrics.stats import FinishedRequestStats, IterationStats, RequestS
 from pagellm.outputs import (
     CompletionOutput,
     LogprobsLists,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -161,6 +163,22 @@ class RequestState:
         self._num_logprobs_sent = 0
         self._num_prompt_logprobs_sent = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+        self.pooling_params = request.pooling_params  # set: a pooling request
+
+    def make_pooling_output(self, pooled: bytes) -> PoolingRequestOutput:
+        """The pooled vector cut to PoolingParams.dimensions, then normalised if asked
+        (the input processor filled `normalize` with the model's default)."""
+        import numpy as np
+
+        params = self.pooling_params
+        assert params is not None
+        vec = np.frombuffer(pooled, dtype=np.float32)
+        if params.dimensions is not None:
+            vec = vec[: params.dimensions]
+        if params.normalize:
+            vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+        return PoolingRequestOutput(self.request_id, PoolingOutput(np.array(vec, dtype=np.float32)),
+                                    self.prompt_token_ids, True, self.prompt, self.num_cached_tokens)
 
     # -- updates from one EngineCoreOutput ---------------------------------------------
 
@@ -353,6 +371,9 @@ class OutputProcessor:
     ) -> None:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         req_state.num_cached_tokens = out.num_cached_tokens or req_state.num_cached_tokens
+        if req_state.pooling_params is not None:
+            self._process_pooling(req_state, out, now, result, iteration_stats)
+            return
         detokenizer = req_state.detokenizer
         num_before = detokenizer.num_output_tokens()
         stop_str = detokenizer.update(out.new_token_ids, finish_reason == FinishReason.STOP)
@@ -374,6 +395,33 @@ class OutputProcessor:
         if finish_reason is not None:
             self._finish_request(req_state)
             _record_finished(req_state, finish_reason, now, iteration_stats)
+
+    def _process_pooling(
+        self,
+        req_state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        result: OutputProcessorOutput,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        """A pooling request reports once, when it finishes: its vector, or (cut short by
+        an engine error) an error for its caller."""
+        if out.finish_reason is None:
+            return
+        self._finish_request(req_state)
+        _record_finished(req_state, out.finish_reason, now, iteration_stats)
+        if out.pooling_output is None:
+            error = RuntimeError(f"Pooling request {req_state.request_id} finished without a result "
+                                 f"({out.finish_reason}).")
+            if req_state.collector is None:
+                raise error
+            req_state.collector.put(error)
+            return
+        pooled = req_state.make_pooling_output(out.pooling_output)
+        if req_state.collector is not None:
+            req_state.collector.put(pooled)  # type: ignore[arg-type]
+        else:
+            result.request_outputs.append(pooled)  # type: ignore[arg-type]
 
     def _finish_request(self, req_state: RequestState) -> None:
         self.request_states.pop(req_state.request_id, None)

@@ -1,4 +1,5 @@
-"""LLM: the offline API (`LLM(model).generate(prompts, params)`, `.chat(messages)`).
+"""LLM: the offline API (`LLM(model).generate(prompts, params)`, `.chat(messages)`, and
+on a pooling engine `.embed(prompts)` / `.encode(prompts)`).
 
 A thin shell over LLMEngine: adds every prompt as a FINAL_ONLY request, steps the engine
 until all finish (with a tqdm progress bar) and returns results in input order.
@@ -16,7 +17,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.chat_utils import apply_chat_template
 from pagellm.inputs import PromptType
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -87,6 +89,38 @@ class LLM:
         ]
         return self._run(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """The pooled final hidden state of each prompt (a pooling engine: runner='pooling'
+        or convert='embed'); `outputs.data` is a float32 numpy array."""
+        _no_lora(lora_request)
+        if pooling_task not in (None, "embed", "encode"):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported (embed, encode).")
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(pooling_params, len(prompt_list), PoolingParams)
+        return self._run(prompt_list, params_list, use_tqdm, None, add_special_tokens=True)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`, a list of floats), pooled as
+        the model's pooler config says and normalised unless PoolingParams says not."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                              pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 
@@ -95,21 +129,22 @@ class LLM:
     def _run(
         self,
         prompts: list[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | Sequence[PoolingParams] | None,
         use_tqdm: bool | Callable[..., Any],
         priority: list[int] | None,
         add_special_tokens: bool,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _as_params_list(sampling_params, len(prompts))
+        params_list = _as_params_list(sampling_params, len(prompts), (SamplingParams, PoolingParams))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts.")
         added: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 params = params.clone()
-                params.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(params, SamplingParams):
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
                 self.llm_engine.add_request(
                     request_id, prompt, params, priority=priority[i] if priority else 0,
@@ -139,7 +174,8 @@ class LLM:
                 outputs.append(output)
                 if bar is not None:
                     in_tokens += len(output.prompt_token_ids or [])
-                    out_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        out_tokens += sum(len(o.token_ids) for o in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.postfix = (f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "
                                    f"output: {out_tokens / elapsed:.2f} toks/s")
@@ -164,10 +200,10 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}.")
 
 
-def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+def _as_params_list(params: Any, n: int, kind: type | tuple[type, ...] = SamplingParams) -> list[Any]:
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [(kind if isinstance(kind, type) else kind[0])()] * n
+    if isinstance(params, kind):
         return [params] * n
     params = list(params)
     if len(params) != n:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # the frontend resolves paths, configs and tokenizers without
     import torch
     from torch import nn
 
+    from pagellm.config import PoolerConfig
+
 logger = init_logger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -145,6 +147,43 @@ def load_generation_config(path: str) -> dict[str, Any]:
         for k in ("eos_token_id", "bos_token_id")
         if getattr(config, k, None) is not None
     }
+
+
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS"}
+
+
+def load_pooler_config(path: str, given: PoolerConfig | None) -> PoolerConfig:
+    """A pooling engine's pooling type and default normalisation: what the user gave,
+    else the model directory's sentence-transformers config (modules.json naming a
+    Pooling module's folder with its config.json, and a Normalize module or none), else
+    vLLM's decoder default (LAST, normalised)."""
+    from pagellm.config import POOLING_TYPES, PoolerConfig
+
+    given = given or PoolerConfig()
+    pooling_type, normalize = given.pooling_type, given.normalize
+    modules_file = os.path.join(path, "modules.json")
+    if os.path.isfile(modules_file):
+        with open(modules_file) as f:
+            modules = json.load(f)
+        types = [m.get("type", "") for m in modules]
+        if normalize is None:
+            normalize = any(t.endswith(".Normalize") for t in types)
+        pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+        pooling_file = os.path.join(path, pooling.get("path", ""), "config.json") if pooling else ""
+        if pooling_type is None and os.path.isfile(pooling_file):
+            with open(pooling_file) as f:
+                modes = json.load(f)
+            chosen = [ours for key, ours in _ST_POOLING_MODES.items() if modes.get(key)]
+            others = [k for k, v in modes.items() if k.startswith("pooling_mode") and v and k not in _ST_POOLING_MODES]
+            if others or len(chosen) != 1:
+                raise ValueError(f"{pooling_file}: pooling {', '.join(chosen + others) or 'none'} is not "
+                                 f"supported; pagellm pools {', '.join(POOLING_TYPES)} (one of them).")
+            pooling_type = chosen[0]
+    pooling_type = (pooling_type or "LAST").upper()
+    if pooling_type not in POOLING_TYPES:
+        raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got {pooling_type!r}.")
+    return PoolerConfig(pooling_type=pooling_type, normalize=True if normalize is None else normalize)
 
 
 # ------------------------------------------------------------- GGUF derived-data cache

@@ -25,6 +25,7 @@ from pagellm.attention.backend import (
 )
 from pagellm.config import EngineConfig
 from pagellm.logger import init_logger
+from pagellm.model_executor.layers.pooler import Pooler
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
@@ -60,6 +61,12 @@ class ModelRunner:
         # not send them twice.
         self._parked_generators: dict[str, torch.Generator] = {}
         self._prompt_logprobs_end: dict[str, int] = {}
+        pooler_config = self.model_config.pooler_config
+        self.pooler: Pooler | None = None
+        """Pools the prompts of pooling requests (a pooling engine only)."""
+        if self.model_config.runner_type == "pooling":
+            assert pooler_config is not None and pooler_config.pooling_type is not None
+            self.pooler = Pooler(pooler_config.pooling_type)
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -190,6 +197,9 @@ class ModelRunner:
         fresh = self._zero_blocks(new_blocks) if new_blocks else False
         if self._huge_pages is not None and (fresh or self._huge_pages.backlog):
             self._huge_pages.update(self._block_zeroed)
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            if self.pooler is not None:
+                self.pooler.drop(req_id)
         for req_id in sched.finished_req_ids:
             batch.remove_request(req_id)
             self._parked_generators.pop(req_id, None)
@@ -214,6 +224,10 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids),
             )
             batch.add_request(state, new.block_ids, new.num_computed_tokens)
+            if new.pooling_params is not None:
+                if self.pooler is None:
+                    raise RuntimeError(f"request {new.req_id}: a pooling request on a generate engine")
+                self.pooler.begin(new.req_id)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -308,7 +322,10 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)  # type: ignore[arg-type]
 
         self._collect_prompt_logprobs(inputs, hidden, req_ids, out)
-        due = np.nonzero(inputs.sample_mask)[0]
+        sample_mask = inputs.sample_mask
+        if self.pooler is not None:
+            sample_mask = sample_mask & ~self._pool(inputs, hidden, req_ids, out)
+        due = np.nonzero(sample_mask)[0]
         if len(due) == 0:
             return out
         due_rows = inputs.rows[due]
@@ -345,6 +362,21 @@ class ModelRunner:
             assert sched.grammar_bitmask is not None
             metadata.token_bitmask = sched.grammar_bitmask[mask_rows]
             metadata.token_bitmask_rows = logits_rows
+
+    def _pool(self, inputs: _StepInputs, hidden: torch.Tensor, req_ids: list, out: ModelRunnerOutput) -> np.ndarray:
+        """Hands each pooling request's chunk to the pooler; a request whose prompt ends
+        this step gets its pooled vector in out.pooler_output. Returns the mask of the
+        step's pooling requests (they sample nothing)."""
+        pooler = self.pooler
+        assert pooler is not None
+        pooling = np.array([req_id in pooler for req_id in req_ids], dtype=bool)
+        for i in np.nonzero(pooling)[0]:
+            start, end = int(inputs.cu[i]), int(inputs.cu[i + 1])
+            pooled = pooler.add_chunk(req_ids[i], hidden[start:end], int(inputs.positions_np[start]),
+                                      bool(inputs.sample_mask[i]))
+            if pooled is not None:
+                out.pooler_output[req_ids[i]] = pooled.cpu().numpy().tobytes()
+        return pooling
 
     def _collect_prompt_logprobs(self, inputs: _StepInputs, hidden: torch.Tensor, req_ids: list, out: ModelRunnerOutput) -> None:
         """Logprobs of prompt tokens for requests that asked: the hidden state at

@@ -293,6 +293,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                 num_computed_tokens=req.num_computed_tokens,
+                pooling_params=req.pooling_params,
             )
             for req in plan.new_reqs
         ]
@@ -347,6 +348,8 @@ class Scheduler:
             if req_id in row and request.num_computed_tokens >= request.num_tokens:
                 sampled = model_runner_output.sampled_token_ids[row[req_id]]
             new_token_ids = self._append_and_check_stop(request, sampled)
+            if req_id in model_runner_output.pooler_output:  # a pooling request is done
+                request.status = RequestStatus.FINISHED_STOPPED
             if request.is_finished():
                 stopped.add(req_id)
             out = self._make_output(request, new_token_ids, model_runner_output)
@@ -430,6 +433,7 @@ class Scheduler:
         if logprobs is not None:
             # Rows after a stop token were sampled but not kept.
             logprobs = logprobs.first(len(new_token_ids)) if new_token_ids else None
+        pooled = runner_output.pooler_output.get(request.request_id) if runner_output else None
         finished = request.is_finished()
         if not new_token_ids and not finished and prompt_logprobs is None:
             return None
@@ -442,6 +446,7 @@ class Scheduler:
             stop_reason=request.stop_reason,
             events=request.take_events(),
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=pooled,
         )
 
     def _group_outputs(
