@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.input_processor import GENERATE_ON_POOLING
 from pagellm.entrypoints.anthropic.protocol import MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
@@ -32,6 +33,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -39,6 +41,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_engine import (
     Admission,
     OpenAIError,
@@ -157,6 +160,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
         model_aliases=model_aliases)
+    embeddings = OpenAIServingEmbedding(engine, served_model_names, model_aliases=model_aliases)
+    generators = (completions, chat, responses, messages)
+    pooling = engine.model_config.runner_type == "pooling"
     app.state.engine = engine
     app.state.tool_format = chat.tool_format().describe()
     sched = engine.config.scheduler_config
@@ -208,6 +214,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def respond(serving: Any, request: Any, raw: Request) -> Response:
         """Runs a handler under admission control; a stream becomes SSE, any failure
         OpenAI's error JSON."""
+        if pooling and serving in generators:
+            raise OpenAIError(GENERATE_ON_POOLING, param="model")
         limits.check(request, max_logprobs)  # before admission: a refused request holds no slot
         slot = admission.take(_num_sequences(request))
         try:
@@ -241,6 +249,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/messages")
     async def create_message(request: MessagesRequest, raw: Request) -> Response:
         return await _cancel_on_disconnect(raw, respond(messages, request, raw))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(embeddings, request, raw))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

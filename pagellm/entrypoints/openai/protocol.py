@@ -378,3 +378,52 @@ class TokenizeRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+# -- /v1/embeddings --------------------------------------------------------------------
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """OpenAI's embeddings request; `normalize` and `priority` are vLLM's extras."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    normalize: bool | None = None
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
+
+    # What the server's per-request caps and admission read from any request: one
+    # sequence per input, the inputs counted as completions' prompts are.
+    @property
+    def n(self) -> int:
+        return 1
+
+    @property
+    def prompt(self) -> str | list[str] | list[int] | list[list[int]]:
+        return self.input
+
+    @property
+    def stop(self) -> None:
+        return None
+
+
+class EmbeddingData(OpenAIBaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 little-endian bytes, as OpenAI's
+
+
+class EmbeddingUsage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -26,6 +26,7 @@ ROUTES = {
     ("POST", "/v1/responses"): (60, 30),
     ("GET", "/v1/responses/{response_id}"): (5, 0),  # any string is a valid id
     ("POST", "/v1/messages"): (50, 30),
+    ("POST", "/v1/embeddings"): (20, 20),  # a 400 here (a generate server); fuzzed on a pooling one below
     ("POST", "/tokenize"): (30, 20),
     ("POST", "/detokenize"): (30, 20),
     ("GET", "/v1/models"): (1, 0),
@@ -75,6 +76,12 @@ def _steer(body: Any, data: st.DataObject) -> None:
     body.pop("previous_response_id", None)  # a made-up id is always a 404
     if body.get("input") in ("", []):
         body["input"] = "Hello"
+    body.pop("dimensions", None)  # the tiny model is no matryoshka model: always a 400
+    inp = body.get("input")  # embeddings' token ids, one list or several
+    if isinstance(inp, list) and inp and isinstance(inp[0], int):
+        body["input"] = [abs(t) % 30000 for t in inp]
+    elif isinstance(inp, list) and inp and all(isinstance(x, list) for x in inp):
+        body["input"] = [[abs(t) % 30000 for t in x if isinstance(t, int)] or [1] for x in inp]
     prompt = body.get("prompt")
     if prompt == "" or prompt == []:
         body["prompt"] = "Hello"
@@ -141,6 +148,23 @@ def test_fuzz_route(srv: ServerProcess, schema: Any, route: tuple[str, str], mod
     examples = valid if mode is GenerationMode.POSITIVE else invalid
     if examples == 0:
         pytest.skip("a route without parameters has no invalid request")
+    _fuzz(srv, schema, route, mode, examples)
+
+
+@pytest.fixture(scope="module")
+def pooling_srv(tiny_model):
+    server = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "64", "--convert", "embed")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_fuzz_embeddings_on_a_pooling_server(pooling_srv: ServerProcess, mode: GenerationMode) -> None:
+    schema = schemathesis.openapi.from_url(pooling_srv.url + "/openapi.json")
+    _fuzz(pooling_srv, schema, ("POST", "/v1/embeddings"), mode, 60 if mode is GenerationMode.POSITIVE else 30)
+
+
+def _fuzz(srv: ServerProcess, schema: Any, route: tuple[str, str], mode: GenerationMode, examples: int) -> None:
     method, path = route
     strategy = schema[path][method].as_strategy(generation_mode=mode)
     headers = {"Authorization": f"Bearer {srv.api_key}"}
