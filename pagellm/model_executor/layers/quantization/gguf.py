@@ -248,9 +248,20 @@ class GGUFLinearMethod(QuantizeMethodBase):
             while end + 1 < len(parts) and parts[end + 1][0] == qtype:
                 end += 1
             members = [p for _, p in parts[shard : end + 1]]
-            start = layer.offsets[shard]
-            rows = sum(layer.output_sizes[shard : end + 1])
-            groups.append(WeightGroup(qtype, _group_data(members), start, rows))
+            if len(members) == 1 or _whole_source(members) is not None:
+                runs = [(shard, end)]
+            else:  # separate tensors (gate, up): a group each, views of the mapping; rows
+                # that must be owned anyway (llama's reordered q, k) one copy together,
+                # rather than copying the whole layer (2 GB of an 8B file at load)
+                runs = []
+                for i in range(shard, end + 1):
+                    if runs and not _mapped(parts[i][1]) and not _mapped(parts[runs[-1][1]][1]):
+                        runs[-1] = (runs[-1][0], i)
+                    else:
+                        runs.append((i, i))
+            for a, b in runs:
+                groups.append(WeightGroup(qtype, _group_data([p for _, p in parts[a : b + 1]]),
+                                          layer.offsets[a], sum(layer.output_sizes[a : b + 1])))
             shard = end + 1
         layer.weight_groups = groups
         layer.loaded_parts = []
@@ -302,6 +313,12 @@ def int8_gemm_rows(m: int) -> bool:
         return False
     rows = ctx.decode_rows
     return isinstance(rows, slice) and (rows.start, rows.stop) == (0, m) and m > Q8_MAX_ROWS
+
+
+def _mapped(part: Any) -> bool:
+    """Whether a part's rows are a view of the file's mapping in order (not a float32
+    array, not llama's reordered q/k rows)."""
+    return not isinstance(part, np.ndarray) and part.row_order is None
 
 
 def _group_data(members: list[Any]) -> np.ndarray:
