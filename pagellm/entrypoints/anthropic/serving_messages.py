@@ -25,7 +25,12 @@ from pagellm.entrypoints.anthropic.protocol import (
 )
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagellm.entrypoints.openai.serving_engine import OpenAIError, as_openai_error, merge_generators
+from pagellm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    as_openai_error,
+    final_output,
+    merge_generators,
+)
 
 
 def _stop_reason(finish_reason: str | None, stop_reason: Any, called: bool) -> str | None:
@@ -81,13 +86,7 @@ class AnthropicServingMessages(OpenAIServingChat):
         model = request.model or self.served_model_names[0]
         if request.stream:
             return self._stream(chat, plan, message_id, model, ids, gen)
-        final = None
-        try:
-            async for _, out in merge_generators([gen]):
-                final = out
-        except Exception as e:
-            raise as_openai_error(e) from e
-        assert final is not None
+        final = await final_output(gen)
         c = final.outputs[0]
         message, _ = self._message(chat, plan, c.text, c.finish_reason)
         content: list[dict[str, Any]] = []

@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     as_openai_error,
+    final_output,
     merge_generators,
     prompt_logprobs_json,
     sse,
@@ -219,13 +220,7 @@ class OpenAIServingChat(OpenAIServing):
                                    priority=request.priority)
         if request.stream:
             return self._stream(request, request_id, ids, gen, plan)
-        final = None
-        try:
-            async for _, out in merge_generators([gen]):
-                final = out
-        except Exception as e:
-            raise as_openai_error(e) from e
-        assert final is not None
+        final = await final_output(gen)
         echo = _echoed(request)
         choices = []
         completion_tokens = 0

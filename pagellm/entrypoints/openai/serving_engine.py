@@ -230,6 +230,19 @@ async def merge_generators(gens: list[AsyncGenerator[RequestOutput, None]]) -> A
             await g.aclose()
 
 
+async def final_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """The last output of one request's stream (a whole, non-streamed reply); an engine
+    error as OpenAIError."""
+    final = None
+    try:
+        async for _, out in merge_generators([gen]):
+            final = out
+    except Exception as e:
+        raise as_openai_error(e) from e
+    assert final is not None
+    return final
+
+
 def prompt_logprobs_json(entries: PromptLogprobs | None) -> PromptLogprobsJson | None:
     """RequestOutput.prompt_logprobs in the server's JSON shape (vLLM's)."""
     if entries is None:

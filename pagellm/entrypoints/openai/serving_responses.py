@@ -33,6 +33,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIError,
     as_openai_error,
+    final_output,
     merge_generators,
 )
 
@@ -140,13 +141,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                                    priority=request.priority)
         if request.stream:
             return self._stream(turn, plan, ids, gen)
-        final = None
-        try:
-            async for _, out in merge_generators([gen]):
-                final = out
-        except Exception as e:
-            raise as_openai_error(e) from e
-        assert final is not None
+        final = await final_output(gen)
         c = final.outputs[0]
         message, finish_reason = self._message(turn.chat, plan, c.text, c.finish_reason)
         output = _output_items(message)

@@ -102,6 +102,20 @@ class ToolCallStreamer(ABC):
         """Flushes held-back text; the stream ends here."""
 
 
+class SteppedToolCallStreamer(ToolCallStreamer):
+    """A streamer written as one `_step(delta, final)`: `feed` steps with each delta,
+    `finish` with none, final."""
+
+    def feed(self, delta_text: str) -> StreamDelta:
+        return self._step(delta_text, final=False)
+
+    def finish(self) -> StreamDelta:
+        return self._step("", final=True)
+
+    @abstractmethod
+    def _step(self, delta_text: str, final: bool) -> StreamDelta: ...
+
+
 class ToolParser(ABC):
     """Reads one model family's tool-call syntax. Stateless; state lives in streamers."""
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     FunctionCall,
+    SteppedToolCallStreamer,
     StreamDelta,
     ToolCall,
-    ToolCallStreamer,
     ToolParser,
 )
 from pagellm.entrypoints.openai.tool_parsers.json_calls import (
@@ -39,7 +39,7 @@ class Llama3JsonToolParser(ToolParser):
         return Llama3JsonToolCallStreamer()
 
 
-class Llama3JsonToolCallStreamer(ToolCallStreamer):
+class Llama3JsonToolCallStreamer(SteppedToolCallStreamer):
     """Decides the mode from the first characters: `{` or `<|python_tag|>` start a call
     sequence, anything else makes the whole output content. In call mode nothing is shown
     as content unless the sequence fails; if no call was sent by then, the whole output is
@@ -50,12 +50,6 @@ class Llama3JsonToolCallStreamer(ToolCallStreamer):
         self._mode: str | None = None  # None (undecided) | "content" | "calls"
         self._seq = CallSequenceStream(SEPARATOR, None)
         self._content = ContentStream()
-
-    def feed(self, delta_text: str) -> StreamDelta:
-        return self._step(delta_text, final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._step("", final=True)
 
     def _step(self, delta_text: str, final: bool) -> StreamDelta:
         if self._mode is None:

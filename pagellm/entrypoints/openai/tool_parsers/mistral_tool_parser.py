@@ -15,9 +15,9 @@ import json
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     FunctionCall,
+    SteppedToolCallStreamer,
     StreamDelta,
     ToolCall,
-    ToolCallStreamer,
     ToolParser,
     first_fragment,
 )
@@ -79,7 +79,7 @@ class MistralToolParser(ToolParser):
         return MistralToolCallStreamer()
 
 
-class MistralToolCallStreamer(ToolCallStreamer):
+class MistralToolCallStreamer(SteppedToolCallStreamer):
     """Content streams until `[TOOL_CALLS]` (a tail that could begin it is held back).
     After it, a JSON list streams call by call as its objects do; the `name[ARGS]{...}`
     format is read once the output ends and its calls go out whole. Calls that do not
@@ -91,12 +91,6 @@ class MistralToolCallStreamer(ToolCallStreamer):
         self._seq = CallSequenceStream(",", "]")
         self._rest = 0  # where the list's unsent trailing text starts in self._seq.body
         self._content = ContentStream()
-
-    def feed(self, delta_text: str) -> StreamDelta:
-        return self._step(delta_text, final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._step("", final=True)
 
     def _step(self, delta_text: str, final: bool) -> StreamDelta:
         text = ""

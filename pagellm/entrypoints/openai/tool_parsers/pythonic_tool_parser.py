@@ -12,9 +12,9 @@ import json
 from pagellm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCalls,
     FunctionCall,
+    SteppedToolCallStreamer,
     StreamDelta,
     ToolCall,
-    ToolCallStreamer,
     ToolParser,
     first_fragment,
 )
@@ -65,7 +65,7 @@ class PythonicToolParser(ToolParser):
         return PythonicToolCallStreamer()
 
 
-class PythonicToolCallStreamer(ToolCallStreamer):
+class PythonicToolCallStreamer(SteppedToolCallStreamer):
     """A leading `[` holds everything back until the list closes; the calls then go out
     whole, one fragment each (a list is only known to be calls once it parses), and the
     rest streams as content. Any other start streams as content from the first character."""
@@ -75,12 +75,6 @@ class PythonicToolCallStreamer(ToolCallStreamer):
         self._mode: str | None = None  # None (undecided) | "list" | "content"
         self._scanner = JsonValueScanner(quotes="\"'")
         self._content = ContentStream()
-
-    def feed(self, delta_text: str) -> StreamDelta:
-        return self._step(delta_text, final=False)
-
-    def finish(self) -> StreamDelta:
-        return self._step("", final=True)
 
     def _step(self, delta_text: str, final: bool) -> StreamDelta:
         if self._mode == "content":
