@@ -38,6 +38,7 @@ from pagellm.model_executor.layers.quantization.gguf import (
     BATCHED_MAX_ROWS,
     DIRECT_MAX_ROWS,
     GGUFLinearMethod,
+    int8_gemm_rows,
     int8_rows,
 )
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
@@ -384,7 +385,8 @@ class FusedDecodeStack:
             return None
         s, width = self._step, x.shape[1]
         s.NB, s.bs, s.kv_type = self.NB, self.bs, self.kv_type
-        s.i8_batched = int(self.i8 and md.decode_only)
+        s.i8_batched = int(self.i8 and int8_gemm_rows(t))  # the runner's decodes, not the
+        # metadata's one-token rows (a prompt's last token read alone is a prompt row)
         for i, rows in enumerate(views):
             s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)
