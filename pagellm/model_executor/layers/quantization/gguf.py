@@ -56,7 +56,7 @@ Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations in the decode kernels (the q8
 path): a step's decode rows, or a logits head's rows. Past it a decode-only step takes the
 int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched
-float kernels are faster than the decode kernels (benchmarks/kernels.py)."""
+float kernels are faster than the decode kernels (benchmarks/kernel_shapes.py)."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""

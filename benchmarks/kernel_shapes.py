@@ -1,7 +1,7 @@
 """Time pagellm's CPU kernels at a model's shapes, next to what they replace.
 
-    python benchmarks/kernels.py                 # SmolLM2-135M's shapes, M = 16, 64, 256, 512
-    python benchmarks/kernels.py --rows 64 --reps 100
+    python benchmarks/kernel_shapes.py                 # SmolLM2-135M's shapes, M = 16, 64, 256, 512
+    python benchmarks/kernel_shapes.py --rows 64 --reps 100
 
 Linears (random Q4_1 blocks of the model's q|k|v, o, gate|up and down shapes, M input
 rows): `pg_gemm_batched` (ggml_gemm.c, what gguf_matmul runs for 9..BATCHED_MAX_ROWS rows),
