@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ggml_common.h"
@@ -397,14 +398,17 @@ VNNI512 static ALWAYS_INLINE __m256 sums32(const int32_t *s16, int n) {
                            _mm256_maskz_loadu_epi32((__mmask8)(m >> 8), s16 + 8));
 }
 
-/* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block, groups 2j and 2j+1 the low
- * and high nibbles of the same 32 bytes: one 64-byte vector per pair, and x's 64 values
- * of the pair are consecutive. */
+/* Q4_K (high5 = 0) and Q5_K: 8 groups of 32 per super-block; 32 bytes hold groups 2j and
+ * 2j+1 as their low and high nibbles. One 64-byte load covers bytes of groups 4i and 4i+2
+ * (low nibbles) and 4i+1 and 4i+3 (high): an AND and a shift give two vectors of values,
+ * which meet x read in the order k45_inputs leaves it (each super-block's groups as
+ * 0 2 1 3 4 6 5 7); xs: the sums of each group of x as floats. */
 VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, const int8_t *qx,
-                                           const float *dx, const int32_t *sx, int64_t K,
+                                           const float *dx, const float *xs, int64_t K,
                                            const int high5, const int R, float *y, int64_t ldy) {
     const int64_t bytes = high5 ? 176 : 144, qs_off = high5 ? 48 : 16;
-    const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1), lane8 = lane_div(3);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i two_halves = _mm512_slli_epi32(lane_div(3), 1); /* lanes 8-15: +2 groups */
     __m512 acc[ROWS512][2]; /* two chains per row: consecutive FMAs do not wait on each other */
     __m256 mins[ROWS512];
     for (int r = 0; r < R; r++) {
@@ -426,30 +430,63 @@ VNNI512 static ALWAYS_INLINE void k45_rows(const uint8_t *row, int64_t nsb, cons
         for (int r = 0; r < R; r++) { /* times x's 8 scales: lanes 0-7 S, 8-15 the minimums' */
             S[r] = _mm512_mul_ps(sm, _mm512_broadcast_f32x8(_mm256_loadu_ps(dx + r * (K / 32) + 8 * sb)));
             mins[r] = _mm256_fmadd_ps(_mm512_extractf32x8_ps(S[r], 1),
-                                      sums32(sx + r * (K / 16) + 16 * sb, 8), mins[r]);
+                                      _mm256_loadu_ps(xs + r * (K / 32) + 8 * sb), mins[r]);
         }
-        const __m256i qh = high5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs_off + 32 * j));
-            __m512i w = _mm512_and_si512(
-                _mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), low4);
-            if (high5) {
-                const __m512i h = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j))),
-                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), 1);
-                w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+        const __m512i qh = high5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)))
+                                 : _mm512_setzero_si512();
+        for (int i = 0; i < 2; i++) {
+            const __m512i q = _mm512_loadu_si512(b + qs_off + 64 * i);
+            __m512i w0 = _mm512_and_si512(q, low4);                       /* groups 4i, 4i+2 */
+            __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4); /* 4i+1, 4i+3 */
+            if (high5) { /* group g's fifth bits: bit g of each qh byte, to bit 4 */
+                const __m512i at = _mm512_set_epi64(4 * i + 2, 4 * i + 2, 4 * i + 2, 4 * i + 2,
+                                                    4 * i, 4 * i, 4 * i, 4 * i);
+                w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, at), one), 4));
+                w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(
+                    _mm512_srlv_epi64(qh, _mm512_add_epi64(at, _mm512_set1_epi64(1))), one), 4));
             }
-            const __m512i idx = _mm512_add_epi32(lane8, _mm512_set1_epi32(2 * j));
+            const __m512i i0 = _mm512_add_epi32(two_halves, _mm512_set1_epi32(4 * i));
+            const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(1));
             for (int r = 0; r < R; r++) {
-                const __m512i x = _mm512_loadu_si512(qx + r * K + 256 * sb + 64 * j);
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-                acc[r][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, S[r]),
-                                                acc[r][j & 1]);
+                const int8_t *x = qx + r * K + 256 * sb + 128 * i;
+                const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(x));
+                const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, _mm512_loadu_si512(x + 64));
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(i0, S[r]), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(i1, S[r]), acc[r][1]);
             }
         }
     }
     for (int r = 0; r < R; r++)
         y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) - pg_hsum(mins[r]);
+}
+
+/* The P quantized rows of x as k45_rows reads them: each super-block's 32-value groups
+ * in the order 0 2 1 3 4 6 5 7, and each group's sum as a float; in a buffer of the
+ * calling thread's, grown as needed and kept. 0 where memory ran out. */
+VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, int64_t K,
+                              const int8_t **px, const float **xs) {
+    static __thread uint8_t *buf = NULL;
+    static __thread int64_t cap = 0;
+    const int64_t values = P * K, need = values + 4 * (values / 32);
+    if (need > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+        cap = buf != NULL ? need : 0;
+        if (buf == NULL) return 0;
+    }
+    int8_t *x = (int8_t *)buf;
+    float *sums = (float *)(buf + values);
+    const __m512i even = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i odd = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    for (int64_t i = 0; i < values; i += 128) { /* [g0 g1] [g2 g3] -> [g0 g2] [g1 g3] */
+        const __m512i a = _mm512_loadu_si512(QX + i), b = _mm512_loadu_si512(QX + i + 64);
+        _mm512_storeu_si512(x + i, _mm512_permutex2var_epi64(a, even, b));
+        _mm512_storeu_si512(x + i + 64, _mm512_permutex2var_epi64(a, odd, b));
+    }
+    for (int64_t g = 0; g < values / 32; g++) sums[g] = (float)(SX[2 * g] + SX[2 * g + 1]);
+    *px = x;
+    *xs = sums;
+    return 1;
 }
 
 /* Q6_K: values u6 - 32, a scale per 16 values. A half super-block's 64 low-bit bytes are
@@ -627,14 +664,27 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
                             const int32_t *SX, int64_t P, int64_t levels, float *Y, int64_t ldy,
                             const int64_t *yrows) {
     switch (type) {
-        case Q_Q4_K:
-#define K4(r) k45_rows(row, K / 256, qx, dx, sx, K, 0, r, out, 1)
-            OVER_ROWS(K4)
+        case Q_Q4_K: case Q_Q5_K: {
+            const int8_t *px;
+            const float *xs;
+            if (!k45_inputs(QX, SX, P, K, &px, &xs)) return 0;
+            const int high5 = type == Q_Q5_K;
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *row = W + n * row_bytes;
+                for (int64_t m0 = 0; m0 < P; m0 += ROWS512) {
+                    const int R = P - m0 < ROWS512 ? (int)(P - m0) : ROWS512;
+                    const int8_t *qx = px + m0 * K;
+                    const float *dx = DX + m0 * (K / 32), *sx = xs + m0 * (K / 32);
+                    float out[ROWS512];
+#define K45(r) (high5 ? k45_rows(row, K / 256, qx, dx, sx, K, 1, r, out, 1) \
+                      : k45_rows(row, K / 256, qx, dx, sx, K, 0, r, out, 1))
+                    BY_ROWS(K45)
+#undef K45
+                    store_sums(out, R, m0, levels, Y, ldy, yrows, n);
+                }
+            }
             return 1;
-        case Q_Q5_K:
-#define K5(r) k45_rows(row, K / 256, qx, dx, sx, K, 1, r, out, 1)
-            OVER_ROWS(K5)
-            return 1;
+        }
         case Q_Q6_K:
 #define K6(r) q6k_rows(row, K / 256, qx, dx, sx, K, r, out, 1)
             OVER_ROWS(K6)
