@@ -23,6 +23,25 @@
  * (ggml_gemm.c). */
 int pg_isa_level(void);
 
+/* Q4_K weights repacked at load, four rows at a time (pg_repack_q4_k_r4, ggml_cpu.c), for
+ * the int8 decode kernels: not a ggml type. Per group of 4 rows and super-block of 256
+ * values, PG_R4_SB bytes:
+ *   [0, 8)     d of rows 0-3 (float16)        [8, 16)  dmin of rows 0-3
+ *   [16, 48)   scale of sub-block j, row r at 16 + 4j + r (6 bits, unpacked)
+ *   [48, 80)   minimum of sub-block j, row r at 48 + 4j + r
+ *   [80, 592)  values: sub-block j's 64 bytes at 80 + 64j, row r's 16 at 80 + 64j + 16r,
+ *              byte i = value i | value 16 + i << 4
+ * so that one 64-byte vector holds a sub-block of all four rows, and the kernel unpacks
+ * the scales of four rows with one load. A row's `row_bytes` is 148 per super-block; row
+ * n lies in the group starting at row n - n % 4, which holds 4 * row_bytes bytes. */
+#define PG_Q4_K_R4 112
+#define PG_R4_SB 592
+
+/* Super-block sb of the group of rows that holds row n (lane n % 4 in it). */
+static inline const uint8_t *pg_r4_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
+    return W + (n >> 2) * 4 * row_bytes + sb * PG_R4_SB;
+}
+
 /* The float16 at p as a float (F16C where built with it, else by its bits). */
 static inline float pg_f16(const uint8_t *p) {
     uint16_t h;

@@ -68,6 +68,7 @@ static void type_traits(int type, int64_t *block, int64_t *bytes) {
         case T_Q5_K: *block = 256; *bytes = 176; return;
         case T_Q6_K: *block = 256; *bytes = 210; return;
         case T_IQ4_XS: *block = 256; *bytes = 136; return;
+        case PG_Q4_K_R4: *block = 256; *bytes = 148; return;
         default: *block = 0; *bytes = 0; return;
     }
 }
@@ -403,10 +404,74 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
-/* Row `row` of `type` as K float32 values (for ggml_gemm.c, which calls it per row inside
- * its own thread team). */
-void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
-    dequant_row(type, row, K, out);
+/* Row n of a Q4_K_R4 matrix as K float32 values: the values avx_q4_k gives (u * d + -m,
+ * one rounding). */
+static void dequant_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
+    const int r = (int)(n & 3);
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
+        const float d = pg_f16(b + 2 * r), dmin = pg_f16(b + 8 + 2 * r);
+        for (int j = 0; j < 8; j++) {
+            const float dj = d * b[16 + 4 * j + r], mj = -(dmin * b[48 + 4 * j + r]);
+            const uint8_t *q = b + 80 + 64 * j + 16 * r;
+            float *y = out + 256 * sb + 32 * j;
+            for (int i = 0; i < 16; i++) {
+#ifdef __FMA__
+                y[i] = __builtin_fmaf((float)(q[i] & 0xF), dj, mj);
+                y[i + 16] = __builtin_fmaf((float)(q[i] >> 4), dj, mj);
+#else
+                y[i] = (float)(q[i] & 0xF) * dj + mj;
+                y[i + 16] = (float)(q[i] >> 4) * dj + mj;
+#endif
+            }
+        }
+    }
+}
+
+/* Row n of W as K float32 values, whatever the layout. */
+static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
+                          float *out) {
+    if (type == PG_Q4_K_R4)
+        dequant_r4(W, row_bytes, n, K, out);
+    else
+        dequant_row(type, W + n * row_bytes, K, out);
+}
+
+/* Row n of W (of `type`) as K float32 values (for ggml_gemm.c, which calls it per row
+ * inside its own thread team). */
+void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
+    dequant_row_n(type, W, row_bytes, n, K, out);
+}
+
+/* Q4_K rows [4i, 4i + 4) of W (N rows, N a multiple of 4, K a multiple of 256) into
+ * out in the Q4_K_R4 layout (ggml_common.h): row_bytes 148 * K / 256 there. */
+int pg_repack_q4_k_r4(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    if (N % 4 != 0 || K % 256 != 0 || row_bytes != 144 * (K / 256)) return -1;
+    const int64_t nsb = K / 256, groups = N / 4;
+#pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
+    for (int64_t i = 0; i < groups; i++) {
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t *o = out + (i * nsb + sb) * PG_R4_SB;
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *b = W + (4 * i + r) * row_bytes + sb * 144;
+                memcpy(o + 2 * r, b, 2);
+                memcpy(o + 8 + 2 * r, b + 2, 2);
+                for (int j = 0; j < 8; j++) {
+                    uint8_t sc, m;
+                    scale_min_k4(j, b + 4, &sc, &m);
+                    o[16 + 4 * j + r] = sc;
+                    o[48 + 4 * j + r] = m;
+                    const uint8_t *q = b + 16 + 32 * (j >> 1);
+                    for (int k = 0; k < 16; k++) {
+                        const int lo = j & 1 ? q[k] >> 4 : q[k] & 0xF;
+                        const int hi = j & 1 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
+                        o[80 + 64 * j + 16 * r + k] = (uint8_t)(lo | hi << 4);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 /* sum_k a[k] * b[k] */
@@ -509,7 +574,7 @@ void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int6
         if (type == T_F32) {
             w = (const float *)(W + n * row_bytes);
         } else {
-            dequant_row(type, W + n * row_bytes, K, wrow);
+            dequant_row_n(type, W, row_bytes, n, K, wrow);
         }
         int64_t m = 0;
 #ifdef PG_AVX2
@@ -551,7 +616,7 @@ int pg_dequant_rows(int type, const uint8_t *W, int64_t row_bytes, int64_t K,
 #pragma omp parallel for schedule(static) if (count * K >= 65536)
     for (int64_t i = 0; i < count; i++) {
         int64_t r = ids ? ids[i] : n0 + i;
-        dequant_row(type, W + r * row_bytes, K, out + i * K);
+        dequant_row_n(type, W, row_bytes, r, K, out + i * K);
     }
     return 0;
 }

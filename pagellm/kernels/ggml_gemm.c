@@ -27,7 +27,7 @@
 #include "ggml_common.h"
 #include "team.h"
 
-void pg_dequant_row(int type, const uint8_t *row, int64_t K, float *out);
+void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out);
 int pg_type_supported(int type);
 
 #define CHUNK_BYTES (1 << 20) /* packed X per chunk: about half an L2 */
@@ -182,7 +182,7 @@ void pg_gemm_batched_part(int type, const uint8_t *W, int64_t row_bytes, int64_t
                 } else if (type == 0) {
                     w[r] = (const float *)(W + (n0 + r) * row_bytes);
                 } else {
-                    pg_dequant_row(type, W + (n0 + r) * row_bytes, K, row);
+                    pg_dequant_row(type, W, row_bytes, n0 + r, K, row);
                     w[r] = row;
                 }
             }

@@ -44,7 +44,7 @@ static int type_kind(int type, int *off) {
         case I_Q5_0: *off = 16; return SIGNED32;
         case I_Q8_0: *off = 128; return SIGNED32;
         case I_Q6_K: *off = 32; return SIGNED16;
-        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: *off = 0; return AFFINE;
+        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R4: *off = 0; return AFFINE;
         default: return -1;
     }
 }
@@ -147,6 +147,19 @@ static void unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *u, fl
     }
 }
 
+/* Group g of row n of a Q4_K_R4 matrix (ggml_common.h), as unpack_group gives Q4_K's. */
+static void unpack_group_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, uint8_t *u,
+                            float *s, float *m) {
+    const int r = (int)(n & 3), j = (int)(g & 7);
+    const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3), *q = b + 80 + 64 * j + 16 * r;
+    for (int i = 0; i < 16; i++) {
+        u[i] = q[i] & 0xF;
+        u[i + 16] = q[i] >> 4;
+    }
+    s[0] = s[1] = pg_f16(b + 2 * r) * b[16 + 4 * j + r];
+    *m = pg_f16(b + 8 + 2 * r) * b[48 + 4 * j + r];
+}
+
 /* Rows [r0, r0 + 16) of W (those past N as zeros) into a tile of G groups. */
 static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes, int64_t N,
                         int64_t r0, int64_t G, uint8_t *tile) {
@@ -157,7 +170,8 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
         for (int64_t g = 0; g < G; g++) {
             uint8_t u[32] = {0};
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
-            if (have) unpack_group(type, row, g, u, s, &m);
+            if (have && type == PG_Q4_K_R4) unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
+            else if (have) unpack_group(type, row, g, u, s, &m);
             uint8_t *t = tile + g * stride;
             for (int c = 0; c < 8; c++) memcpy(t + c * 64 + i * 4, u + 4 * c, 4);
             float *f = (float *)(t + 512);
@@ -273,7 +287,14 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
         const uint8_t *row = W + (r0 + i) * row_bytes;
         for (int64_t g = 0; g < G; g++) {
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
-            const __m256i v = have ? group_vec(type, row, g, s, &m) : _mm256_setzero_si256();
+            __m256i v = _mm256_setzero_si256();
+            if (have && type == PG_Q4_K_R4) { /* row r0 + i's 16 bytes of the sub-block */
+                uint8_t u[32];
+                unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
+                v = _mm256_loadu_si256((const __m256i *)u);
+            } else if (have) {
+                v = group_vec(type, row, g, s, &m);
+            }
             uint8_t *t = tile + g * stride;
             const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
             *(int32_t *)(t + 0 * 64 + i * 4) = _mm_cvtsi128_si32(v0);

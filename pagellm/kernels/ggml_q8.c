@@ -46,7 +46,7 @@ int pg_q8_supported(int type) {
 #ifdef PG_AVX2
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
-        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K:
+        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R4:
             return 1;
         default:
             return 0;
@@ -334,6 +334,28 @@ static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, co
     return y;
 }
 
+/* Row n of a Q4_K_R4 matrix (ggml_common.h) with one quantized input row, in scalars:
+ * what the AVX2 path runs for it (the AVX-512 kernel is r4_rows). */
+static float dot_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, const int8_t *qx,
+                    const float *dx, const int32_t *sx) {
+    const int r = (int)(n & 3);
+    float acc = 0.0f, mins = 0.0f;
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
+        const float d = pg_f16(b + 2 * r), dmin = pg_f16(b + 8 + 2 * r);
+        for (int j = 0; j < 8; j++) {
+            const int64_t g = 8 * sb + j;
+            const uint8_t *q = b + 80 + 64 * j + 16 * r;
+            const int8_t *x = qx + 32 * g;
+            int32_t dot = 0;
+            for (int i = 0; i < 16; i++) dot += (q[i] & 0xF) * x[i] + (q[i] >> 4) * x[i + 16];
+            acc += d * b[16 + 4 * j + r] * dx[g] * (float)dot;
+            mins += dmin * b[48 + 4 * j + r] * dx[g] * (float)(sx[2 * g] + sx[2 * g + 1]);
+        }
+    }
+    return acc - mins;
+}
+
 static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8_t *qx,
                         const float *dx, const int32_t *sx) {
     switch (type) {
@@ -487,6 +509,69 @@ VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, in
     *px = x;
     *xs = sums;
     return 1;
+}
+
+/* Q4_K_R4 (ggml_common.h): four weight rows at once. A sub-block's 64 bytes hold 16 bytes
+ * of each row; their low nibbles are values 0-15 and high nibbles 16-31, so with x's 16
+ * values broadcast to each 128-bit lane one vpdpbusd multiplies 16 values of all four rows,
+ * int32 lane 4w + c holding row w's sum over values 4c..4c+3 (and 16 + 4c..). The scales
+ * of the four rows come as one vector per four sub-blocks (lanes 4j + w), spread to the
+ * product's lanes by a permute. Twice the rate of k45_rows on weights in cache, which
+ * lets the memory keep up: the weights 8 KB ahead asked for into L2 (_MM_HINT_T1; into
+ * L1 at 4 KB, as the other kernels, it streamed slower than k45_rows). out[w][r]: weight
+ * row w against input row r. */
+#define R4_AHEAD 8192
+VNNI512 static ALWAYS_INLINE void r4_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
+                                          const float *dx, const int32_t *sx, int64_t K,
+                                          const int R, float (*out)[ROWS512]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), quarter = lane_div(2);
+    const __m512i quarter4 = _mm512_add_epi32(quarter, _mm512_set1_epi32(4));
+    __m512 acc[ROWS512][2], mins[ROWS512];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = w + sb * PG_R4_SB;
+        for (int pf = 0; pf < PG_R4_SB; pf += 64) _mm_prefetch((const char *)b + R4_AHEAD + pf, _MM_HINT_T1);
+        const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)); /* d 0-3, dmin 0-3 */
+        const __m512 d4 = _mm512_broadcast_f32x4(_mm256_castps256_ps128(dd));
+        const __m512 m4 = _mm512_broadcast_f32x4(_mm256_extractf128_ps(dd, 1));
+#define R4_BYTES(at) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (at)))))
+        const __m512 sc[2] = {_mm512_mul_ps(R4_BYTES(16), d4), _mm512_mul_ps(R4_BYTES(32), d4)};
+        const __m512 mn[2] = {_mm512_mul_ps(R4_BYTES(48), m4), _mm512_mul_ps(R4_BYTES(64), m4)};
+#undef R4_BYTES
+        __m512 S[ROWS512][2];
+        for (int r = 0; r < R; r++) { /* times x's scales: sub-block j of lane 4j + w */
+            const __m512 dx8 = _mm512_castps256_ps512(_mm256_loadu_ps(dx + r * (K / 32) + 8 * sb));
+            const __m512 xs8 = _mm512_castps256_ps512(sums32(sx + r * (K / 16) + 16 * sb, 8));
+            for (int h = 0; h < 2; h++) {
+                const __m512i at = h ? quarter4 : quarter;
+                const __m512 dxh = _mm512_permutexvar_ps(at, dx8);
+                S[r][h] = _mm512_mul_ps(sc[h], dxh);
+                mins[r] = _mm512_fmadd_ps(_mm512_mul_ps(mn[h], dxh), _mm512_permutexvar_ps(at, xs8), mins[r]);
+            }
+        }
+        for (int j = 0; j < 8; j++) {
+            const __m512i q = _mm512_loadu_si512(b + 80 + 64 * j);
+            const __m512i lo = _mm512_and_si512(q, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            const __m512i at = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * (j & 3)));
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = qx + r * K + 256 * sb + 32 * j;
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x)));
+                p = _mm512_dpbusd_epi32(p, hi, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16))));
+                acc[r][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, S[r][j >> 2]),
+                                                acc[r][j & 1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float a[16], m[16];
+        _mm512_storeu_ps(a, _mm512_add_ps(acc[r][0], acc[r][1]));
+        _mm512_storeu_ps(m, mins[r]);
+        for (int v = 0; v < 4; v++) /* lanes 4v..4v+3: row v's products; v, 4+v, ...: its minimums */
+            out[v][r] = ((a[4 * v] + a[4 * v + 1]) + (a[4 * v + 2] + a[4 * v + 3])) -
+                        ((m[v] + m[4 + v]) + (m[8 + v] + m[12 + v]));
+    }
 }
 
 /* Q6_K: values u6 - 32, a scale per 16 values. A half super-block's 64 low-bit bytes are
@@ -664,6 +749,22 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
                             const int32_t *SX, int64_t P, int64_t levels, float *Y, int64_t ldy,
                             const int64_t *yrows) {
     switch (type) {
+        case PG_Q4_K_R4: /* n0, n1: multiples of 4 */
+            for (int64_t n = n0; n < n1; n += 4) {
+                const uint8_t *w = W + n * row_bytes;
+                for (int64_t m0 = 0; m0 < P; m0 += ROWS512) {
+                    const int R = P - m0 < ROWS512 ? (int)(P - m0) : ROWS512;
+                    const int8_t *qx = QX + m0 * K;
+                    const float *dx = DX + m0 * (K / 32);
+                    const int32_t *sx = SX + m0 * (K / 16);
+                    float out[4][ROWS512];
+#define R4(r) r4_rows(w, K / 256, qx, dx, sx, K, r, out)
+                    BY_ROWS(R4)
+#undef R4
+                    for (int v = 0; v < 4; v++) store_sums(out[v], R, m0, levels, Y, ldy, yrows, n + v);
+                }
+            }
+            return 1;
         case Q_Q4_K: case Q_Q5_K: {
             const int8_t *px;
             const float *xs;
@@ -723,8 +824,11 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
                      const pg_team *team) {
 #ifdef PG_AVX2
-    int64_t n0, n1;
-    pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N, team, &n0, &n1);
+    int64_t n0, n1; /* Q4_K_R4: whole groups of 4 rows */
+    const int64_t unit = type == PG_Q4_K_R4 ? 4 : 1;
+    pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
+    n0 *= unit;
+    n1 *= unit;
 #ifdef PG_X86_DISPATCH
     const int wide = vnni512();
 #else
@@ -741,8 +845,11 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
             for (int r = 0; r < R; r++)
-                out[r] = dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
-                                    DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
+                out[r] = type == PG_Q4_K_R4
+                             ? dot_r4(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
+                                      SX + (m0 + r) * (K / 16))
+                             : dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
+                                          DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
             store_sums(out, R, m0, levels, Y, ldy, yrows, n);
         }
     }
@@ -753,9 +860,10 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
 }
 
 /* Rows of one weight group per chunk a team claims (team.h pg_claim): ~64 KB of weights
- * (a few microseconds of work), at least 16 rows; and how many chunks the group has. */
+ * (a few microseconds of work), at least 16 rows, a multiple of 4 (Q4_K_R4's groups); and
+ * how many chunks the group has. */
 static int64_t q8_chunk_rows(int64_t row_bytes) {
-    return 65536 / row_bytes > 16 ? 65536 / row_bytes : 16;
+    return (65536 / row_bytes > 16 ? 65536 / row_bytes : 16) & ~(int64_t)3;
 }
 
 int64_t pg_q8_chunks(int64_t N, int64_t row_bytes) {

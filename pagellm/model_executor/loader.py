@@ -372,6 +372,8 @@ def weights_summary(model: nn.Module) -> str:
     98.4 MB' on the quantized path, 'float32: 538.6 MB' otherwise (shared tensors once)."""
     import gguf
 
+    from pagellm.model_executor.layers.quantization.gguf import TYPE_NAMES
+
     counts: dict[str, int] = {}
     seen: set[int] = set()
     nbytes = 0
@@ -380,7 +382,7 @@ def weights_summary(model: nn.Module) -> str:
             if group.ptr in seen:
                 continue
             seen.add(group.ptr)
-            name = gguf.GGMLQuantizationType(group.qtype).name
+            name = TYPE_NAMES.get(group.qtype) or gguf.GGMLQuantizationType(group.qtype).name
             counts[name] = counts.get(name, 0) + 1
             nbytes += group.data.nbytes
     tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]

@@ -143,7 +143,8 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
     quant = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
     flat = get_model(make_model_config(q4_k_m_file), torch.device("cpu"), backend)
     attn = quant.model.layers[0].self_attn
-    assert [gguf.GGMLQuantizationType(g.qtype).name for g in attn.qkv_proj.weight_groups] == ["Q4_K", "Q6_K"]
+    q4_k = "Q4_K_R4" if gguf_method.repack_q4_k() else "Q4_K"  # repacked where q8 runs on VNNI
+    assert [_type_name(g.qtype) for g in attn.qkv_proj.weight_groups] == [q4_k, "Q6_K"]
     assert not any(p.dim() == 2 for p in quant.parameters())  # only norms are float
     checked: set[str] = set()
     for name, module in quant.named_modules():
@@ -152,12 +153,32 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
             continue
         k = module.embedding_dim if hasattr(module, "embedding_dim") else module.in_features
         got = np.concatenate([
-            _reference(g.data, gguf.GGMLQuantizationType(g.qtype).name, g.rows, k) for g in groups
+            _r4_reference(g.data, g.rows, k) if g.qtype == gguf_method.Q4_K_R4_TYPE
+            else _reference(g.data, gguf.GGMLQuantizationType(g.qtype).name, g.rows, k) for g in groups
         ]).astype(np.float32)
         np.testing.assert_array_equal(got, _float_weight(q4_k_m_file, name, flat), err_msg=name)
         checked.add(name)
     assert {"model.embed_tokens", "lm_head", "model.layers.2.self_attn.qkv_proj",
             "model.layers.2.mlp.down_proj"} <= checked
+
+
+def _type_name(qtype: int) -> str:
+    return gguf_method.TYPE_NAMES.get(qtype) or gguf.GGMLQuantizationType(qtype).name
+
+
+def _r4_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """float32 [rows, k] of a Q4_K_R4 matrix (pagellm/kernels/ggml_common.h), in numpy, by
+    the operations of gguf's Q4_K dequantization: (d * scale) * q - dmin * min."""
+    nsb, groups = k // 256, rows // 4
+    b = np.ascontiguousarray(data).reshape(groups, nsb, 592)
+    d = b[..., 0:8].copy().view(np.float16).astype(np.float32)  # [group, sb, row]
+    dmin = b[..., 8:16].copy().view(np.float16).astype(np.float32)
+    sc = b[..., 16:48].reshape(groups, nsb, 8, 4).astype(np.float32)  # [group, sb, j, row]
+    mn = b[..., 48:80].reshape(groups, nsb, 8, 4).astype(np.float32)
+    qs = b[..., 80:].reshape(groups, nsb, 8, 4, 16)
+    q = np.concatenate([qs & 0xF, qs >> 4], -1).astype(np.float32)  # [group, sb, j, row, 32]
+    w = (d[:, :, None, :] * sc)[..., None] * q - (dmin[:, :, None, :] * mn)[..., None]
+    return w.transpose(0, 3, 1, 2, 4).reshape(rows, k)
 
 
 def _float_weight(path: str, name: str, flat: Any) -> np.ndarray:
@@ -412,7 +433,53 @@ def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_q8_supported(t)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def _repack_r4(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
+    out = np.empty((n, 148 * (k // 256)), dtype=np.uint8)
+    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
+    return out
+
+
+def test_q4_k_r4_repack_holds_the_same_weights(q8_isa: Any) -> None:
+    """Q4_K rows repacked four at a time (Q4_K_R4, what the loader does where the int8
+    kernels run on AVX-512 VNNI): its rows dequantize to Q4_K's bit for bit, its int8
+    products equal (1e-5) the numpy model for 1-16 input rows and two levels (on the AVX-512
+    kernel four weight rows at a time, on the AVX2 path in scalars), its float32 rows equal
+    Q4_K's bit for bit; row counts that are not a multiple of 4 and K that is not a
+    multiple of 256 are refused, and the loader keeps such groups as Q4_K."""
+    lib = q8_isa
+    rng = np.random.default_rng(21)
+    n, k = 44, 768  # 11 groups of 4 rows (2 int8-GEMM tiles and a short one); 3 super-blocks
+    data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
+    r4 = _repack_r4(lib, data, n, k)
+    np.testing.assert_array_equal(_r4_reference(r4, n, k), _reference(data, "Q4_K", n, k))
+    q4k_t, r4_t = int(gguf.GGMLQuantizationType.Q4_K), gguf_method.Q4_K_R4_TYPE
+    ids = torch.tensor([0, 5, 43, 6, 7], dtype=torch.int64)
+    a, b = torch.empty(5, k), torch.empty(5, k)
+    assert lib.pg_dequant_rows(q4k_t, data.ctypes.data, data.shape[1], k, ids.data_ptr(), 0, 5, a.data_ptr()) == 0
+    assert lib.pg_dequant_rows(r4_t, r4.ctypes.data, r4.shape[1], k, ids.data_ptr(), 0, 5, b.data_ptr()) == 0
+    assert torch.equal(a, b)
+    ref = _reference(data, "Q4_K", n, k)
+    q4k, packed = [gguf_method.WeightGroup(q4k_t, data, 0, n)], [gguf_method.WeightGroup(r4_t, r4, 0, n)]
+    for m in (1, 2, 3, 4, 5, 9, 16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 100))
+        for levels in (1, 2):
+            y = gguf_method.gguf_matmul(packed, x, n, slice(0, m), int8_levels=levels).numpy()
+            first = _round_activations(x.numpy(), 32)
+            want = first if levels == 1 else first + _round_activations((x.numpy() - first).astype(np.float32), 32)
+            want = want @ ref.T
+            assert np.linalg.norm(y - want) <= 1e-5 * np.linalg.norm(want), (m, levels)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(7))  # float32 rows: tiles
+    assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
+    assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
+    bad = np.empty((n, 148 * 3), dtype=np.uint8)
+    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], 42, k, bad.ctypes.data) == -1
+    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
+    odd = gguf_method.WeightGroup(q4k_t, data[:42], 0, 42)
+    assert gguf_method._repacked(odd, k) is odd
+    assert gguf_method._repacked(q4k[0], k).qtype == r4_t
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
     (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
@@ -424,8 +491,13 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
         pytest.skip("one thread: nothing is split")
     rng = np.random.default_rng(3)
     k, n = 1024, 4100
-    data = random_blocks(qtype, n, k, rng)
-    groups = [gguf_method.WeightGroup(int(gguf.GGMLQuantizationType[qtype]), data, 0, n)]
+    if qtype == "Q4_K_R4":  # Q4_K repacked: chunks of whole groups of 4 rows
+        data = _repack_r4(lib, np.ascontiguousarray(random_blocks("Q4_K", n, k, rng)), n, k)
+        t = gguf_method.Q4_K_R4_TYPE
+    else:
+        data = random_blocks(qtype, n, k, rng)
+        t = int(gguf.GGMLQuantizationType[qtype])
+    groups = [gguf_method.WeightGroup(t, data, 0, n)]
     assert n * data.shape[1] > 8 * 65536  # several chunks
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     claim = ctypes.c_int.in_dll(lib, "pg_q8_claim")

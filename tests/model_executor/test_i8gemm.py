@@ -31,7 +31,8 @@ def _gemm_i8(lib, qtype: str, data: np.ndarray, n: int, x: np.ndarray, wide: boo
     flag.value = int(wide)
     try:
         w = np.ascontiguousarray(data)
-        rc = lib.pg_gemm_i8(int(gguf.GGMLQuantizationType[qtype]), w.ctypes.data, w.shape[1], n, k,
+        t = 112 if qtype == "Q4_K_R4" else int(gguf.GGMLQuantizationType[qtype])  # PG_Q4_K_R4
+        rc = lib.pg_gemm_i8(t, w.ctypes.data, w.shape[1], n, k,
                             qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), m, y.data_ptr(), n + 3)
     finally:
         flag.value = 1
@@ -89,6 +90,21 @@ def test_vnni_kernel_equals_the_portable_loops_and_rows_are_independent(lib, qty
     for i in range(7):  # each row alone, and in a pass of fewer rows, gives the same bits
         assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[i : i + 1], wide=True)[0], fast[i])
     assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[2:5], wide=True), fast[2:5])
+
+
+def test_q4_k_r4_tiles_equal_q4_k(lib) -> None:
+    """Q4_K repacked four rows at a time (Q4_K_R4) unpacks into the same tiles as Q4_K:
+    the int8 GEMM's products are Q4_K's bit for bit, on the path this CPU runs."""
+    rng = np.random.default_rng(6)
+    k, n = 512, 44
+    data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
+    r4 = np.empty((n, 148 * (k // 256)), dtype=np.uint8)
+    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, k, r4.ctypes.data) == 0
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(10)).numpy()
+    want = _gemm_i8(lib, "Q4_K", data, n, x, wide=True)
+    assert np.array_equal(_gemm_i8(lib, "Q4_K_R4", r4, n, x, wide=True), want)
+    assert np.array_equal(_gemm_i8(lib, "Q4_K_R4", r4, n, x, wide=False),
+                          _gemm_i8(lib, "Q4_K", data, n, x, wide=False))
 
 
 def test_types_without_an_unpacker_are_refused(lib) -> None:

@@ -20,6 +20,7 @@ a float32 scratch buffer and multiplied by torch's matmul (oneDNN's blocking win
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +129,8 @@ class GGUFConfig(QuantizationConfig):
         if isinstance(layer, Linear):
             # the head's int8 activations in two levels (HEAD_INT8_LEVELS)
             levels = HEAD_INT8_LEVELS if prefix == "lm_head" else INT8_LEVELS[self.activations]
-            return GGUFLinearMethod(q8_activations=self.activations != "float32", int8_levels=levels)
+            q8 = self.activations != "float32"
+            return GGUFLinearMethod(q8_activations=q8, int8_levels=levels, repack=q8 and repack_q4_k())
         if isinstance(layer, Embedding):
             return GGUFEmbeddingMethod()
         return None
@@ -220,11 +222,13 @@ def _owned_rows(part: Any) -> np.ndarray:
 
 
 class GGUFLinearMethod(QuantizeMethodBase):
-    """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`)."""
+    """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`); `repack`: Q4_K groups
+    repacked four rows at a time after loading (repack_q4_k)."""
 
-    def __init__(self, q8_activations: bool = False, int8_levels: int = 1) -> None:
+    def __init__(self, q8_activations: bool = False, int8_levels: int = 1, repack: bool = False) -> None:
         self.q8_activations = q8_activations
         self.int8_levels = int8_levels
+        self.repack = repack
 
     def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
                        bias: bool) -> None:
@@ -263,6 +267,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
                 groups.append(WeightGroup(qtype, _group_data([p for _, p in parts[a : b + 1]]),
                                           layer.offsets[a], sum(layer.output_sizes[a : b + 1])))
             shard = end + 1
+        if self.repack:
+            groups = [_repacked(g, layer.in_features) for g in groups]
         layer.weight_groups = groups
         layer.loaded_parts = []
 
@@ -275,6 +281,58 @@ class GGUFLinearMethod(QuantizeMethodBase):
         else:
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
+
+
+Q4_K_TYPE = 12
+Q4_K_R4_TYPE = 112
+"""Q4_K rows repacked four at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R4): not a ggml
+type; the kernels read it wherever they read Q4_K."""
+
+TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4"}
+"""Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
+
+
+def repack_q4_k() -> bool:
+    """Whether Q4_K linears are repacked at load (Q4_K_R4): where the int8 decode kernels
+    run on AVX-512 VNNI, whose Q4_K_R4 kernel multiplies four weight rows per instruction
+    and unpacks their scales once (a decode step reads Q4_K at ~1.3x the rate: see
+    benchmarks/README.md); PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
+    from pagellm import envs
+
+    lib = load_kernels()
+    return envs.PAGELLM_GGUF_REPACK and lib is not None and lib.pg_q8_isa() == 2
+
+
+def _repacked(group: WeightGroup, k: int) -> WeightGroup:
+    """A Q4_K group as Q4_K_R4 in memory of its own (other groups, and Q4_K groups whose
+    rows are not a multiple of 4, as they are); the file's pages it was read from are
+    released from this process (the page cache keeps them), so memory stays ~ the file's."""
+    if group.qtype != Q4_K_TYPE or group.rows % 4 or k % 256:
+        return group
+    out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
+    if _kernels().pg_repack_q4_k_r4(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data):
+        return group
+    _release_mapped(group.data)
+    return WeightGroup(Q4_K_R4_TYPE, out, group.row_start, group.rows)
+
+
+def _release_mapped(data: np.ndarray) -> None:
+    """Drop this process's mapping of the whole pages under `data` where it is a view of a
+    file mapping (MADV_DONTNEED: a later read maps them again from the page cache)."""
+    import mmap
+
+    base = data
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None:
+        return
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(start, end - start, mmap.MADV_DONTNEED)
 
 
 def int8_rows(m: int) -> slice | torch.Tensor | None:
