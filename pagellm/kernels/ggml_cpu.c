@@ -415,6 +415,12 @@ static void dequant_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K
             const float dj = d * b[16 + 4 * j + r], mj = -(dmin * b[48 + 4 * j + r]);
             const uint8_t *q = b + 80 + 64 * j + 16 * r;
             float *y = out + 256 * sb + 32 * j;
+#ifdef PG_AVX2
+            __m256 w[4];
+            u8x32_affine(pg_nibbles_32(q), _mm256_set1_ps(dj), _mm256_set1_ps(mj), w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(y + 8 * i, w[i]);
+            continue;
+#endif
             for (int i = 0; i < 16; i++) {
 #ifdef __FMA__
                 y[i] = __builtin_fmaf((float)(q[i] & 0xF), dj, mj);

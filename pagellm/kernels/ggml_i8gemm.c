@@ -289,9 +289,12 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
             __m256i v = _mm256_setzero_si256();
             if (have && type == PG_Q4_K_R4) { /* row r0 + i's 16 bytes of the sub-block */
-                uint8_t u[32];
-                unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
-                v = _mm256_loadu_si256((const __m256i *)u);
+                const int64_t n = r0 + i;
+                const int r = (int)(n & 3), j = (int)(g & 7);
+                const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
+                s[0] = s[1] = pg_f16(b + 2 * r) * b[16 + 4 * j + r];
+                m = pg_f16(b + 8 + 2 * r) * b[48 + 4 * j + r];
+                v = pg_nibbles_32(b + 80 + 64 * j + 16 * r);
             } else if (have) {
                 v = group_vec(type, row, g, s, &m);
             }
