@@ -17,6 +17,9 @@ an N-token prompt of its own each round (prompt tokens / the time to the first t
 max_tokens 1), llama-bench runs `-p N -n 0`.
 
     python benchmarks/single_stream.py --model llama-3.2-1b --prompt 512 --rounds 6 --llama-bench ...
+
+`--llama-bench-args` passes more flags to it: ik_llama.cpp's llama-bench with its run-time
+repack is `--llama-bench $IK/llama-bench --llama-bench-args='-rtr 1'`.
 """
 
 from __future__ import annotations
@@ -60,14 +63,16 @@ def pagellm_prompt_round(engine: Any, request_id: str, tokens: int, round_: int)
     return tokens / (time.perf_counter() - start)
 
 
-def llama_bench_round(llama_bench: str, model: str, tokens: int, prompt: int = 0) -> float:
+def llama_bench_round(llama_bench: str, model: str, tokens: int, prompt: int = 0,
+                      extra: tuple[str, ...] = ()) -> float:
     cmd = [llama_bench, "-m", model, *compare.llamacpp_threads()[:2], *compare.LLAMACPP_BATCH,
-           "-p", str(prompt), "-n", "0" if prompt else str(tokens), "-r", "1", "-o", "json"]
+           "-p", str(prompt), "-n", "0" if prompt else str(tokens), "-r", "1", "-o", "json", *extra]
     out = subprocess.run(cmd, env=compare.system_env(), capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)[-1]["avg_ts"])
 
 
-def run(model: str, tokens: int, rounds: int, llama_bench: str | None, prompt: int = 0) -> dict[str, Any]:
+def run(model: str, tokens: int, rounds: int, llama_bench: str | None, prompt: int = 0,
+        extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from pagellm import LLM
 
     if tokens < 4:
@@ -82,7 +87,7 @@ def run(model: str, tokens: int, rounds: int, llama_bench: str | None, prompt: i
                     else pagellm_round(engine, f"round-{r}", tokens))
         line = f"round {r}: pagellm {ours[-1]:.2f} tok/s"
         if llama_bench:
-            peer.append(llama_bench_round(llama_bench, model, tokens, prompt))
+            peer.append(llama_bench_round(llama_bench, model, tokens, prompt, extra))
             line += f"  llama-bench {peer[-1]:.2f}  ratio {ours[-1] / peer[-1]:.3f}"
         print(line, flush=True)
     result = {"model": model, "tokens": tokens, "prompt": prompt, "pagellm": ours, "llama_bench": peer or None,
@@ -102,8 +107,11 @@ def main() -> None:
     p.add_argument("--llama-bench", default=None, help="llama-bench binary (else pagellm alone)")
     p.add_argument("--prompt", type=int, default=0,
                    help="measure prompt processing of this many tokens instead of decode")
+    p.add_argument("--llama-bench-args", default="",
+                   help="more llama-bench flags, e.g. '-rtr 1' for ik_llama.cpp's run-time repack")
     args = p.parse_args()
-    run(compare.resolve_model(args.model), args.tokens, args.rounds, args.llama_bench, args.prompt)
+    run(compare.resolve_model(args.model), args.tokens, args.rounds, args.llama_bench, args.prompt,
+        tuple(args.llama_bench_args.split()))
 
 
 if __name__ == "__main__":

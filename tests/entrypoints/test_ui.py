@@ -167,9 +167,10 @@ def engine_metric(server: ServerProcess, name: str, reason: str | None = None) -
 def test_pages_are_served_without_a_key(server) -> None:
     for path, kind in (("/", "text/html"), ("/dashboard", "text/html"), ("/ui/chat.js", "javascript"),
                        ("/ui/dashboard.js", "javascript"), ("/ui/markdown.js", "javascript"),
-                       ("/ui/pagellm.css", "text/css")):
+                       ("/ui/pagellm.css", "text/css"), ("/favicon.ico", "image/png")):
         r = httpx.get(server.url + path)
         assert r.status_code == 200 and kind in r.headers["content-type"], path
+    assert httpx.get(server.url + "/favicon.ico").content[:8] == b"\x89PNG\r\n\x1a\n"
     assert httpx.get(server.url + "/v1/models").status_code == 401  # the API keeps its key
 
 

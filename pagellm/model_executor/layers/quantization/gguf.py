@@ -295,8 +295,9 @@ TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4"}
 def repack_q4_k() -> bool:
     """Whether Q4_K linears are repacked at load (Q4_K_R4): where the int8 decode kernels
     run on AVX-512 VNNI, whose Q4_K_R4 kernel multiplies four weight rows per instruction
-    and unpacks their scales once (a decode step reads Q4_K at ~1.3x the rate: see
-    benchmarks/README.md); PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
+    and unpacks their scales once: twice Q4_K's rate on weights in cache, 1.14x streamed
+    from memory, a decode step of the 1B-shaped file ~1.1x (benchmarks/README.md).
+    PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
     from pagellm import envs
 
     lib = load_kernels()
