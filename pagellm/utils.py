@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ctypes
+import functools
+import sys
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,3 +24,17 @@ def cdiv(a: T, b: int) -> T:
     """Ceiling division for non-negative integers (or integer tensors): cdiv(9, 4) == 3.
     The one spelling of the rule; write this, not -(-a // b)."""
     return -(a // -b)  # type: ignore[operator]
+
+
+@functools.cache
+def libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise(address, length, advice) -> 0 or -1 (errno set), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn

@@ -36,6 +36,9 @@ int pg_isa_level(void);
  * n lies in the group starting at row n - n % 4, which holds 4 * row_bytes bytes. */
 #define PG_Q4_K_R4 112
 #define PG_R4_SB 592
+#define PG_R4_SCALES 16
+#define PG_R4_MINS 48
+#define PG_R4_VALUES 80
 
 /* Super-block sb of the group of rows that holds row n (lane n % 4 in it). */
 static inline const uint8_t *pg_r4_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
@@ -68,6 +71,17 @@ static inline float pg_f16(const uint8_t *p) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
+}
+
+/* Row r's (0-3) sub-block j (0-7) of Q4_K_R4 super-block b: its 16 bytes of values, and
+ * its scale and minimum as Q4_K's dequantization takes them (d * scale, dmin * min). */
+static inline const uint8_t *pg_r4_values(const uint8_t *b, int r, int j) {
+    return b + PG_R4_VALUES + 64 * j + 16 * r;
+}
+
+static inline void pg_r4_scale_min(const uint8_t *b, int r, int j, float *scale, float *min) {
+    *scale = pg_f16(b + 2 * r) * b[PG_R4_SCALES + 4 * j + r];
+    *min = pg_f16(b + 8 + 2 * r) * b[PG_R4_MINS + 4 * j + r];
 }
 
 #ifdef PG_AVX2

@@ -404,32 +404,27 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
-/* Row n of a Q4_K_R4 matrix as K float32 values: the values avx_q4_k gives (u * d + -m,
- * one rounding). */
+/* Row n of a Q4_K_R4 matrix as K float32 values: Q4_K's values in each build (avx_q4_k's
+ * u * d + -m in one rounding, deq32_q4_k's d * u - m in the portable one). */
 static void dequant_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
     const int r = (int)(n & 3);
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
-        const float d = pg_f16(b + 2 * r), dmin = pg_f16(b + 8 + 2 * r);
         for (int j = 0; j < 8; j++) {
-            const float dj = d * b[16 + 4 * j + r], mj = -(dmin * b[48 + 4 * j + r]);
-            const uint8_t *q = b + 80 + 64 * j + 16 * r;
+            float d, m;
+            pg_r4_scale_min(b, r, j, &d, &m);
+            const uint8_t *q = pg_r4_values(b, r, j);
             float *y = out + 256 * sb + 32 * j;
 #ifdef PG_AVX2
             __m256 w[4];
-            u8x32_affine(pg_nibbles_32(q), _mm256_set1_ps(dj), _mm256_set1_ps(mj), w);
+            u8x32_affine(pg_nibbles_32(q), _mm256_set1_ps(d), _mm256_set1_ps(-m), w);
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(y + 8 * i, w[i]);
-            continue;
-#endif
-            for (int i = 0; i < 16; i++) {
-#ifdef __FMA__
-                y[i] = __builtin_fmaf((float)(q[i] & 0xF), dj, mj);
-                y[i + 16] = __builtin_fmaf((float)(q[i] >> 4), dj, mj);
 #else
-                y[i] = (float)(q[i] & 0xF) * dj + mj;
-                y[i + 16] = (float)(q[i] >> 4) * dj + mj;
-#endif
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (q[i] & 0xF) - m;
+                y[i + 16] = d * (q[i] >> 4) - m;
             }
+#endif
         }
     }
 }
@@ -465,13 +460,14 @@ int pg_repack_q4_k_r4(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                 for (int j = 0; j < 8; j++) {
                     uint8_t sc, m;
                     scale_min_k4(j, b + 4, &sc, &m);
-                    o[16 + 4 * j + r] = sc;
-                    o[48 + 4 * j + r] = m;
+                    o[PG_R4_SCALES + 4 * j + r] = sc;
+                    o[PG_R4_MINS + 4 * j + r] = m;
                     const uint8_t *q = b + 16 + 32 * (j >> 1);
+                    uint8_t *v = o + PG_R4_VALUES + 64 * j + 16 * r; /* pg_r4_values */
                     for (int k = 0; k < 16; k++) {
                         const int lo = j & 1 ? q[k] >> 4 : q[k] & 0xF;
                         const int hi = j & 1 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
-                        o[80 + 64 * j + 16 * r + k] = (uint8_t)(lo | hi << 4);
+                        v[k] = (uint8_t)(lo | hi << 4);
                     }
                 }
             }

@@ -150,14 +150,14 @@ static void unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *u, fl
 /* Group g of row n of a Q4_K_R4 matrix (ggml_common.h), as unpack_group gives Q4_K's. */
 static void unpack_group_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, uint8_t *u,
                             float *s, float *m) {
-    const int r = (int)(n & 3), j = (int)(g & 7);
-    const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3), *q = b + 80 + 64 * j + 16 * r;
+    const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
+    const uint8_t *q = pg_r4_values(b, (int)(n & 3), (int)(g & 7));
     for (int i = 0; i < 16; i++) {
         u[i] = q[i] & 0xF;
         u[i + 16] = q[i] >> 4;
     }
-    s[0] = s[1] = pg_f16(b + 2 * r) * b[16 + 4 * j + r];
-    *m = pg_f16(b + 8 + 2 * r) * b[48 + 4 * j + r];
+    pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], m);
+    s[1] = s[0];
 }
 
 /* Rows [r0, r0 + 16) of W (those past N as zeros) into a tile of G groups. */
@@ -290,11 +290,10 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
             __m256i v = _mm256_setzero_si256();
             if (have && type == PG_Q4_K_R4) { /* row r0 + i's 16 bytes of the sub-block */
                 const int64_t n = r0 + i;
-                const int r = (int)(n & 3), j = (int)(g & 7);
                 const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
-                s[0] = s[1] = pg_f16(b + 2 * r) * b[16 + 4 * j + r];
-                m = pg_f16(b + 8 + 2 * r) * b[48 + 4 * j + r];
-                v = pg_nibbles_32(b + 80 + 64 * j + 16 * r);
+                pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], &m);
+                s[1] = s[0];
+                v = pg_nibbles_32(pg_r4_values(b, (int)(n & 3), (int)(g & 7)));
             } else if (have) {
                 v = group_vec(type, row, g, s, &m);
             }

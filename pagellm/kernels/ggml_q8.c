@@ -342,15 +342,16 @@ static float dot_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, c
     float acc = 0.0f, mins = 0.0f;
     for (int64_t sb = 0; sb < K / 256; sb++) {
         const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
-        const float d = pg_f16(b + 2 * r), dmin = pg_f16(b + 8 + 2 * r);
         for (int j = 0; j < 8; j++) {
             const int64_t g = 8 * sb + j;
-            const uint8_t *q = b + 80 + 64 * j + 16 * r;
+            const uint8_t *q = pg_r4_values(b, r, j);
             const int8_t *x = qx + 32 * g;
+            float d, m;
+            pg_r4_scale_min(b, r, j, &d, &m);
             int32_t dot = 0;
             for (int i = 0; i < 16; i++) dot += (q[i] & 0xF) * x[i] + (q[i] >> 4) * x[i + 16];
-            acc += d * b[16 + 4 * j + r] * dx[g] * (float)dot;
-            mins += dmin * b[48 + 4 * j + r] * dx[g] * (float)(sx[2 * g] + sx[2 * g + 1]);
+            acc += d * dx[g] * (float)dot;
+            mins += m * dx[g] * (float)(sx[2 * g] + sx[2 * g + 1]);
         }
     }
     return acc - mins;
@@ -535,8 +536,8 @@ VNNI512 static ALWAYS_INLINE void r4_rows(const uint8_t *w, int64_t nsb, const i
         const __m512 d4 = _mm512_broadcast_f32x4(_mm256_castps256_ps128(dd));
         const __m512 m4 = _mm512_broadcast_f32x4(_mm256_extractf128_ps(dd, 1));
 #define R4_BYTES(at) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (at)))))
-        const __m512 sc[2] = {_mm512_mul_ps(R4_BYTES(16), d4), _mm512_mul_ps(R4_BYTES(32), d4)};
-        const __m512 mn[2] = {_mm512_mul_ps(R4_BYTES(48), m4), _mm512_mul_ps(R4_BYTES(64), m4)};
+        const __m512 sc[2] = {_mm512_mul_ps(R4_BYTES(PG_R4_SCALES), d4), _mm512_mul_ps(R4_BYTES(PG_R4_SCALES + 16), d4)};
+        const __m512 mn[2] = {_mm512_mul_ps(R4_BYTES(PG_R4_MINS), m4), _mm512_mul_ps(R4_BYTES(PG_R4_MINS + 16), m4)};
 #undef R4_BYTES
         __m512 S[ROWS512][2];
         for (int r = 0; r < R; r++) { /* times x's scales: sub-block j of lane 4j + w */
@@ -550,7 +551,7 @@ VNNI512 static ALWAYS_INLINE void r4_rows(const uint8_t *w, int64_t nsb, const i
             }
         }
         for (int j = 0; j < 8; j++) {
-            const __m512i q = _mm512_loadu_si512(b + 80 + 64 * j);
+            const __m512i q = _mm512_loadu_si512(pg_r4_values(b, 0, j)); /* all four rows */
             const __m512i lo = _mm512_and_si512(q, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
             const __m512i at = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * (j & 3)));

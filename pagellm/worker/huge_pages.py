@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from collections.abc import Callable
 
 import numpy as np
 
 from pagellm.logger import init_logger
+from pagellm.utils import libc_madvise
 
 logger = init_logger(__name__)
 
@@ -32,18 +32,14 @@ the same step, so they are spread over steps instead of stalling one."""
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
+    """madvise where huge pages can be asked for (not where THP is "never")."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 return None
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_madvise()
 
 
 class KVHugePages:

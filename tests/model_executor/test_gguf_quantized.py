@@ -479,6 +479,30 @@ def test_q4_k_r4_repack_holds_the_same_weights(q8_isa: Any) -> None:
     assert gguf_method._repacked(q4k[0], k).qtype == r4_t
 
 
+def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K linears become Q4_K_R4 at load where q8 runs on AVX-512 VNNI (the load line says
+    so); PAGELLM_GGUF_REPACK=0 and the exact path keep the file's Q4_K."""
+    from pagellm.model_executor.loader import weights_summary
+
+    def types(**kw: Any) -> tuple[list[str], str]:
+        model = get_model(make_model_config(q4_k_m_file, quantization="gguf", **kw),
+                          torch.device("cpu"), get_attn_backend("torch"))
+        groups = model.model.layers[1].mlp.gate_up_proj.weight_groups
+        return [_type_name(g.qtype) for g in groups], weights_summary(model)
+
+    monkeypatch.setenv("PAGELLM_GGUF_REPACK", "0")
+    assert not gguf_method.repack_q4_k()
+    assert types(gguf_activations="q8")[0] == ["Q4_K", "Q4_K"]
+    monkeypatch.delenv("PAGELLM_GGUF_REPACK")
+    assert types(gguf_activations="float32")[0] == ["Q4_K", "Q4_K"]
+    if kernels.load_kernels().pg_q8_isa() != 2:
+        assert not gguf_method.repack_q4_k()
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512vnni, avx512bw, avx512vl, avx512dq): "
+                    "nothing is repacked")
+    names, summary = types(gguf_activations="q8")
+    assert names == ["Q4_K_R4", "Q4_K_R4"] and "Q4_K_R4 x" in summary
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes

@@ -14,7 +14,8 @@ import torch
 
 from pagellm import kernels
 from pagellm.benchmarks.synthetic_gguf import random_blocks
-from tests.model_executor.test_gguf_quantized import _reference, _round_activations
+from pagellm.model_executor.layers.quantization.gguf import Q4_K_R4_TYPE
+from tests.model_executor.test_gguf_quantized import _reference, _repack_r4, _round_activations
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -31,7 +32,7 @@ def _gemm_i8(lib, qtype: str, data: np.ndarray, n: int, x: np.ndarray, wide: boo
     flag.value = int(wide)
     try:
         w = np.ascontiguousarray(data)
-        t = 112 if qtype == "Q4_K_R4" else int(gguf.GGMLQuantizationType[qtype])  # PG_Q4_K_R4
+        t = Q4_K_R4_TYPE if qtype == "Q4_K_R4" else int(gguf.GGMLQuantizationType[qtype])
         rc = lib.pg_gemm_i8(t, w.ctypes.data, w.shape[1], n, k,
                             qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), m, y.data_ptr(), n + 3)
     finally:
@@ -98,8 +99,7 @@ def test_q4_k_r4_tiles_equal_q4_k(lib) -> None:
     rng = np.random.default_rng(6)
     k, n = 512, 44
     data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
-    r4 = np.empty((n, 148 * (k // 256)), dtype=np.uint8)
-    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, k, r4.ctypes.data) == 0
+    r4 = _repack_r4(lib, data, n, k)
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(10)).numpy()
     want = _gemm_i8(lib, "Q4_K", data, n, x, wide=True)
     assert np.array_equal(_gemm_i8(lib, "Q4_K_R4", r4, n, x, wide=True), want)

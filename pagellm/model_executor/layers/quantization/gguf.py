@@ -20,7 +20,6 @@ a float32 scratch buffer and multiplied by torch's matmul (oneDNN's blocking win
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
+from pagellm.utils import cdiv, libc_madvise
 
 logger = init_logger(__name__)
 
@@ -328,11 +328,10 @@ def _release_mapped(data: np.ndarray) -> None:
     if base is None:
         return
     page = mmap.PAGESIZE
-    start = -(-data.ctypes.data // page) * page
+    start = cdiv(data.ctypes.data, page) * page
     end = (data.ctypes.data + data.nbytes) // page * page
-    if end > start and hasattr(mmap, "MADV_DONTNEED"):
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = libc_madvise()
+    if end > start and madvise is not None:
         madvise(start, end - start, mmap.MADV_DONTNEED)
 
 
