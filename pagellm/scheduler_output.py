@@ -64,6 +64,9 @@ class SchedulerOutput:
     # come next, for the requests that sample this step under a grammar (req_id -> row).
     grammar_bitmask: torch.Tensor | None = None
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: the proposed tokens scheduled after a request's last token
+    # (counted in num_scheduled_tokens); the runner keeps those the model agrees with.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

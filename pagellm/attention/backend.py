@@ -41,6 +41,10 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    verify_reqs: frozenset[int] = frozenset()
+    """Requests whose several rows are a decoded token and proposals after it
+    (speculative decoding): each row attends as a one-token decode of its own, so that it
+    gives the numbers it would give decoded alone."""
 
 
 class AttentionBackend(ABC):

@@ -160,10 +160,14 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         Mistral's config and transformers' masks); None = keys 0 .. p."""
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl = common.query_start_loc_cpu
-        decode_reqs = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        prefill_reqs = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] > 1]
-        decode = self._build_decode(common, decode_reqs) if decode_reqs else None
+        qsl, seq_lens, verify = common.query_start_loc_cpu, common.seq_lens_cpu, common.verify_reqs
+        # (request, token row, sequence length with it) of each row that attends as a decode
+        decodes = [(i, qsl[i], seq_lens[i]) for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        prefill_reqs = [i for i in range(common.num_reqs) if qsl[i + 1] - qsl[i] > 1 and i not in verify]
+        if verify:  # each verify row as a decode at its own position, in row order
+            decodes += [(i, t, seq_lens[i] - (qsl[i + 1] - 1 - t)) for i in verify for t in range(qsl[i], qsl[i + 1])]
+            decodes.sort(key=lambda d: d[1])
+        decode = self._build_decode(common, decodes) if decodes else None
         slots = common.slot_mapping[: common.num_actual_tokens]
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
@@ -172,7 +176,7 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_offsets=slots % self.block_size,
             decode=decode,
             prefills=[self._build_prefill(common, i) for i in prefill_reqs],
-            # with no prompt chunks, request i's single token is row i
+            # with no prompt chunks every row is a decode (or a verify row), in row order
             decode_only=decode is not None and not prefill_reqs,
             rows=(self._build_rows(common)
                   if prefill_reqs and common.num_actual_tokens <= ROW_ATTENTION_MAX_ROWS
@@ -201,16 +205,17 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_hi=hi, max_slots=int((hi - lo).max()),
         )
 
-    def _build_decode(self, common: CommonAttentionMetadata, reqs: list[int]) -> DecodeBatch:
-        qsl = common.query_start_loc_cpu
-        token_rows = [qsl[i] for i in reqs]
+    def _build_decode(self, common: CommonAttentionMetadata, decodes: list[tuple[int, int, int]]) -> DecodeBatch:
+        """decodes: (request, token row, sequence length including the row) per row."""
+        reqs = [d[0] for d in decodes]
+        token_rows = [d[1] for d in decodes]
         rows: slice | torch.Tensor
         if token_rows == list(range(token_rows[0], token_rows[0] + len(reqs))):
             rows = slice(token_rows[0], token_rows[0] + len(reqs))
         else:
             rows = torch.tensor(token_rows, dtype=torch.long, device=self.device)
         bs, window = self.block_size, self.sliding_window
-        seq_lens = [common.seq_lens_cpu[i] for i in reqs]
+        seq_lens = [d[2] for d in decodes]
         # With a window, blocks wholly before it are skipped: request b's padded row
         # starts at its block first[b] (0 without a window).
         first = [max(0, n - window) // bs if window else 0 for n in seq_lens]

@@ -199,6 +199,56 @@ class CompilationConfig:
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each step a decoding request
+    runs its last token plus up to `num_speculative_tokens` proposed ones, and keeps the
+    proposals the model itself would have produced."""
+
+    method: str = "ngram"
+    """How tokens are proposed: 'ngram' (prompt lookup: the tokens that followed the
+    latest earlier occurrence of the request's last n tokens, in its prompt or output)."""
+    num_speculative_tokens: int | None = None
+    """Most tokens proposed per request per step (required)."""
+    prompt_lookup_max: int | None = None
+    """Longest n-gram matched (tried first); default: prompt_lookup_min, or 5 without either."""
+    prompt_lookup_min: int | None = None
+    """Shortest n-gram matched; default: prompt_lookup_max, or 5 without either."""
+    disable_by_batch_size: int | None = None
+    """No proposals in a step with at least this many running requests (None: never off
+    for that; a step still proposes only while its decode rows and proposals fit the
+    int8 decode kernels' 16 rows, see pagellm.spec_decode)."""
+
+    @property
+    def lookup_range(self) -> tuple[int, int]:
+        """(shortest, longest) n-gram, defaults filled as vLLM fills them."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            return 5, 5
+        return (lo if lo is not None else hi), (hi if hi is not None else lo)  # type: ignore[return-value]
+
+    def verify(self) -> None:
+        """A clear error for every field out of range (before any model loads)."""
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}.")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}.")
+        lo, hi = self.lookup_range
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}.")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must not exceed "
+                             f"prompt_lookup_max ({hi}).")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be a positive integer, got {b!r}.")
+
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
@@ -229,6 +279,8 @@ class EngineConfig:
     attention_config: AttentionConfig = AttentionConfig()
     observability_config: ObservabilityConfig = ObservabilityConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None
+    """None: no speculative decoding."""
 
     def with_data_parallel_rank(self, rank: int) -> EngineConfig:
         return dataclasses.replace(

@@ -64,6 +64,7 @@ class EngineCore:
             self.config.cache_config,
             log_stats=not config.observability_config.disable_log_stats,
             structured_output_manager=self.structured_output_manager,
+            speculative_config=self.config.speculative_config,
         )
         self.block_hasher = None
         if config.cache_config.enable_prefix_caching:

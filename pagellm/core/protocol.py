@@ -83,6 +83,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0  # preemptions this step
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # speculative decoding since the last stats (vLLM's spec_decode counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # accepted proposals by position in the run
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, gc=False):

@@ -33,6 +33,7 @@ from pagellm.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -164,6 +165,13 @@ class EngineArgs:
     """Structured outputs settings: a dict (JSON on the command line) of
     StructuredOutputsConfig fields, e.g. {"backend": "guidance"}. Backends: auto (xgrammar,
     falling back to guidance where xgrammar refuses a constraint), xgrammar, guidance."""
+    speculative_config: Any = None
+    """Speculative decoding, a dict (JSON on the command line) of SpeculativeConfig fields
+    under vLLM's names: {"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each step a decoding request also runs
+    the tokens that followed the latest earlier occurrence of its last n tokens and keeps
+    those the model agrees with: the same tokens (greedy) or the same distribution
+    (sampled), fewer steps where the output repeats its input. Off by default."""
     reasoning_parser: str = ""
     """Reasoning parser for the model's output (deepseek_r1, qwen3): the server returns the
     reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
@@ -199,6 +207,9 @@ class EngineArgs:
         )
         if self.pooler_config is not None:
             self.pooler_config = normalize_config("pooler_config", self.pooler_config, PoolerConfig)
+        if self.speculative_config is not None:
+            self.speculative_config = normalize_config("speculative_config", self.speculative_config,
+                                                       SpeculativeConfig)
 
     # -- CLI -------------------------------------------------------------------------
 
@@ -217,7 +228,7 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             elif f.name == "compilation_config":
                 group.add_argument(flag, "-O", type=_parse_compilation, default=None, help=help_text)
-            elif f.name in ("structured_outputs_config", "pooler_config"):
+            elif f.name in ("structured_outputs_config", "pooler_config", "speculative_config"):
                 group.add_argument(flag, type=_parse_json_object, default=None, help=help_text)
             elif f.name == "served_model_name":  # one or more, as in vLLM
                 group.add_argument(flag, nargs="+", default=default, help=help_text)
@@ -334,7 +345,14 @@ class EngineArgs:
                 self.structured_outputs_config,
                 reasoning_parser=self.reasoning_parser or self.structured_outputs_config.reasoning_parser,
             ),
+            speculative_config=self._resolve_speculative(model_config),
         )
+
+    def _resolve_speculative(self, model_config: ModelConfig) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        if spec is not None and model_config.runner_type == "pooling":
+            raise ValueError("speculative_config applies to generation; a pooling engine samples no tokens.")
+        return spec
 
     def _resolve_runner(self) -> str:
         if self.runner not in ("auto", "generate", "pooling"):
@@ -388,6 +406,8 @@ class EngineArgs:
 
         check_gguf_activations(self.gguf_activations, "gguf_activations")
         self._verify_structured_outputs()
+        if self.speculative_config is not None:
+            self.speculative_config.verify()
         if self.attention_backend not in available_attn_backends():
             raise ValueError(
                 f"attention_backend must be one of {', '.join(available_attn_backends())}; "

@@ -498,36 +498,41 @@ static inline float dot1(const float *a, const float *b, int64_t K) {
 
 #ifdef PG_AVX2
 
-/* out[i] = sum_k w[k] * x[i][k] for 4 rows of x (stride ldx) */
-static inline void dot4(const float *w, const float *x, int64_t ldx, int64_t K, float *out) {
+/* out[i] = sum_k w[k] * x[i][k] for 2 rows of x (stride ldx), each summed exactly as dot1
+ * sums it (the same four accumulators, tail and order): a row's result does not depend on
+ * how many rows the product has, so a speculative verify run's rows give the numbers they
+ * give decoded one at a time. */
+static inline void dot2(const float *w, const float *x, int64_t ldx, int64_t K, float *out) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
            a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
            b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
+    const float *x0 = x, *x1 = x + ldx;
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (; k + 32 <= K; k += 32) {
+        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        const __m256 w2 = _mm256_loadu_ps(w + k + 16), w3 = _mm256_loadu_ps(w + k + 24);
         a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
-        b0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), b0);
-        a1 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), a1);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x0 + k + 8), a1);
+        a2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x0 + k + 16), a2);
+        a3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x0 + k + 24), a3);
+        b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
         b1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + k + 8), b1);
-        a2 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x2 + k), a2);
-        b2 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x2 + k + 8), b2);
-        a3 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x3 + k), a3);
-        b3 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x3 + k + 8), b3);
+        b2 = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x1 + k + 16), b2);
+        b3 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x1 + k + 24), b3);
     }
-    float r0 = pg_hsum(_mm256_add_ps(a0, b0)), r1 = pg_hsum(_mm256_add_ps(a1, b1));
-    float r2 = pg_hsum(_mm256_add_ps(a2, b2)), r3 = pg_hsum(_mm256_add_ps(a3, b3));
+    for (; k + 8 <= K; k += 8) {
+        const __m256 w0 = _mm256_loadu_ps(w + k);
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + k), a0);
+        b0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x1 + k), b0);
+    }
+    float r0 = pg_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    float r1 = pg_hsum(_mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
     for (; k < K; k++) {
         r0 += w[k] * x0[k];
         r1 += w[k] * x1[k];
-        r2 += w[k] * x2[k];
-        r3 += w[k] * x3[k];
     }
     out[0] = r0;
     out[1] = r1;
-    out[2] = r2;
-    out[3] = r3;
 }
 #endif
 
@@ -580,13 +585,11 @@ void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int6
         }
         int64_t m = 0;
 #ifdef PG_AVX2
-        float r[4];
-        for (; m + 4 <= M; m += 4) {
-            dot4(w, X + m * ldx, ldx, K, r);
+        float r[2];
+        for (; m + 2 <= M; m += 2) {
+            dot2(w, X + m * ldx, ldx, K, r);
             Y[m * ldy + n] = r[0];
             Y[(m + 1) * ldy + n] = r[1];
-            Y[(m + 2) * ldy + n] = r[2];
-            Y[(m + 3) * ldy + n] = r[3];
         }
 #endif
         for (; m < M; m++) Y[m * ldy + n] = dot1(w, X + m * ldx, K);

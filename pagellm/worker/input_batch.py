@@ -120,12 +120,19 @@ class InputBatch:
 
     # -- sampling metadata -------------------------------------------------------------
 
-    def make_sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
-        """SamplingMetadata for the given rows, in that order (the order of the logits)."""
+    def make_sampling_metadata(self, rows: np.ndarray, device: torch.device,
+                               proposed: list[list[int]] | None = None) -> SamplingMetadata:
+        """SamplingMetadata for the given rows, in that order (the order of the logits).
+        A row may repeat (a request verifying proposals): `proposed[i]` are the tokens
+        that logits row i follows beyond its request's output (penalties, min_tokens and
+        bad words see them); a seeded request's rows draw from its generator in turn."""
         greedy = self.greedy[rows]
         all_greedy = bool(greedy.all())
         states = [self.states[self.req_ids[r]] for r in rows]  # type: ignore[index]
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        outputs = [s.output_token_ids for s in states]
+        if proposed is not None:
+            outputs = [out + extra if extra else out for out, extra in zip(outputs, proposed)]
 
         def tensor(arr: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(arr[rows]).to(device)
@@ -170,18 +177,19 @@ class InputBatch:
             frequency_penalties=None if no_penalties else tensor(self.frequency),
             repetition_penalties=None if no_penalties else tensor(self.repetition),
             prompt_token_ids=prompt_ids,
-            output_token_ids=[s.output_token_ids for s in states],
-            **self._sparse_constraints(states, device),
+            output_token_ids=outputs,
+            **self._sparse_constraints(states, outputs, device),
         )
 
-    def _sparse_constraints(self, states: list[CachedRequestState], device: torch.device) -> dict:
+    def _sparse_constraints(self, states: list[CachedRequestState], outputs: list[list[int]],
+                            device: torch.device) -> dict:
         min_tokens: dict[int, tuple[int, set[int]]] = {}
         logit_bias: dict[int, dict[int, float]] = {}
         bad_words: dict[int, list[list[int]]] = {}
         allowed_rows: dict[int, list[int]] = {}
         for i, s in enumerate(states):
             p = s.sampling_params
-            if p.min_tokens and len(s.output_token_ids) < p.min_tokens:
+            if p.min_tokens and len(outputs[i]) < p.min_tokens:
                 stop_ids = set(p.all_stop_token_ids)
                 if p.eos_token_id is not None:  # blocked even with ignore_eos, as in vLLM
                     stop_ids.add(p.eos_token_id)

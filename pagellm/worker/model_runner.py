@@ -252,6 +252,9 @@ class ModelRunner:
         generated = (inputs.num_sched == 1) & (
             inputs.positions_np[inputs.cu[:-1]] >= batch.num_prompt_tokens[inputs.rows])
         picked = inputs.cu[:-1][generated]
+        if inputs.common.verify_reqs:  # and every row of a verify run
+            runs = [np.arange(inputs.cu[i], inputs.cu[i + 1]) for i in inputs.common.verify_reqs]
+            picked = np.sort(np.concatenate([picked, *runs]))
         if len(picked) == 0:
             return slice(0, 0)
         if picked[-1] - picked[0] == len(picked) - 1:
@@ -267,6 +270,11 @@ class ModelRunner:
         """
         batch = self.input_batch
         assert batch is not None
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            # proposals run after the request's last token, as if it had them already
+            row = batch.req_id_to_index[req_id]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + len(drafts)] = drafts
         rows = np.array(sorted(batch.req_id_to_index[r] for r in sched.num_scheduled_tokens), dtype=np.int64)
         num_sched = np.array([sched.num_scheduled_tokens[batch.req_ids[r]] for r in rows], dtype=np.int64)
         computed = batch.num_computed_tokens[rows]
@@ -300,6 +308,8 @@ class ModelRunner:
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
+            verify_reqs=frozenset(i for i, r in enumerate(rows)
+                                  if batch.req_ids[r] in sched.scheduled_spec_decode_tokens),
         )
         for r, n in zip(rows, num_sched):
             batch.num_computed_tokens[r] += n
@@ -329,23 +339,40 @@ class ModelRunner:
         if len(due) == 0:
             return out
         due_rows = inputs.rows[due]
-        last_token_idx = torch.from_numpy(inputs.cu[due + 1] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token_idx])
-        metadata = batch.make_sampling_metadata(due_rows, self.device)
+        spec = sched.scheduled_spec_decode_tokens
+        drafts = [spec.get(req_ids[i], ()) for i in due] if spec else [()] * len(due)
+        # Each due request samples at its last row, and a request verifying proposals at
+        # every row it ran: row j picks the token after its first j proposals.
+        counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
+        ends = inputs.cu[due + 1]
+        logit_idx = np.concatenate([np.arange(e - c, e) for e, c in zip(ends, counts)]) if spec else ends - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)])
+        metadata = batch.make_sampling_metadata(
+            np.repeat(due_rows, counts), self.device,
+            [list(d[:j]) for d in drafts for j in range(1 + len(d))] if spec else None)
         if sched.grammar_bitmask is not None:
-            self._attach_bitmask(sched, [req_ids[i] for i in due], metadata)
+            self._attach_bitmask(sched, [req_ids[i] for i, c in zip(due, counts) for _ in range(c)], metadata)
         result = self.sampler.forward(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
-        for j, (i, row, tok) in enumerate(zip(due, due_rows, token_ids)):
-            sampled[i] = [tok]
-            batch.append_token(row, tok)
+        start = 0
+        for i, row, proposed, count in zip(due, due_rows, drafts, counts):
+            picked = token_ids[start : start + count]
+            kept = _accepted(proposed, picked)
+            sampled[i] = kept
+            for tok in kept:
+                batch.append_token(row, tok)
+            batch.num_computed_tokens[row] -= count - len(kept)  # rejected proposals' KV
             k = batch.num_logprobs[row]
             if lp_lists is not None and k != NO_LOGPROBS:
-                n = len(lp_lists.logprob_token_ids[j]) if k == ALL_LOGPROBS else 1 + k
+                lp_rows = range(start, start + len(kept))
+                width = [len(lp_lists.logprob_token_ids[j]) if k == ALL_LOGPROBS else 1 + k for j in lp_rows]
                 out.logprobs[req_ids[i]] = LogprobsLists(
-                    [lp_lists.logprob_token_ids[j][:n]], [lp_lists.logprobs[j][:n]], [lp_lists.ranks[j]]
+                    [lp_lists.logprob_token_ids[j][:n] for j, n in zip(lp_rows, width)],
+                    [lp_lists.logprobs[j][:n] for j, n in zip(lp_rows, width)],
+                    [lp_lists.ranks[j] for j in lp_rows],
                 )
+            start += count
         return out
 
     @staticmethod
@@ -401,6 +428,19 @@ class ModelRunner:
             k = params.prompt_logprobs if params.prompt_logprobs >= 0 else self.model_config.vocab_size
             logits = self.model.compute_logits(h)
             out.prompt_logprobs[req_ids[i]] = compute_prompt_logprobs(logits, targets, k).tolists()
+
+
+def _accepted(proposed: list[int] | tuple, picked: list[int]) -> list[int]:
+    """The tokens a verify run keeps: row j's pick follows the first j proposals, so the
+    picks hold while each equals the proposal it was run on; the first that differs (or
+    the pick after the last proposal) ends the run. For a proposal that is one token
+    (n-gram lookup), keeping the sampled token where it equals the proposal and taking the
+    sampled one where it does not is rejection sampling: the kept tokens follow the
+    model's distribution exactly (greedy: its argmax)."""
+    n = 0
+    while n < len(proposed) and picked[n] == proposed[n]:
+        n += 1
+    return picked[: n + 1]
 
 
 @dataclass(slots=True)

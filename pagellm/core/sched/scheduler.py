@@ -28,12 +28,32 @@ from pagellm.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagellm.spec_decode import MAX_STEP_ROWS, NgramProposer
 
 if TYPE_CHECKING:
-    from pagellm.config import CacheConfig, SchedulerConfig
+    from pagellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from pagellm.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
+
+
+@dataclass
+class _SpecStats:
+    """Speculative decoding since the last stats: vLLM's spec_decode counters."""
+
+    num_drafts: int = 0  # verify runs (requests that proposed tokens in a step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at position i
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafted:
+            self.accepted_per_pos.extend([0] * (num_drafted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
 
 
 @dataclass
@@ -49,6 +69,10 @@ class _StepPlan:
     # Admitted from `waiting` this step (first time, or resumed after preemption).
     new_reqs: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Proposed tokens scheduled after a decode's last token, by request.
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Most tokens each decoding request may propose this step (0: none).
+    spec_share: int = 0
 
 
 class Scheduler:
@@ -58,6 +82,7 @@ class Scheduler:
         cache_config: CacheConfig,
         log_stats: bool = True,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set before building a Scheduler")
@@ -94,6 +119,13 @@ class Scheduler:
         self._finished_outside_step: list[Request] = []
         self._num_preemptions_since_stats = 0
         self.num_preemptions_total = 0
+        self.speculative_config = speculative_config
+        self.proposer: NgramProposer | None = None
+        if speculative_config is not None:
+            self.proposer = NgramProposer(*speculative_config.lookup_range)
+        self._spec_stats = _SpecStats()
+        self.spec_totals = _SpecStats()
+        """Speculative decoding since start (the stats carry the counts since the last)."""
 
     # -- requests in and out -----------------------------------------------------------
 
@@ -155,7 +187,7 @@ class Scheduler:
         if nothing was preempted; 3. advance num_computed_tokens and build the output."""
         if self.waiting_for_grammar:
             self._admit_compiled_grammars()
-        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens, spec_share=self._spec_share())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -190,7 +222,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = self._propose(request, plan) if num_new == 1 and plan.spec_share else []
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + len(drafts))
+            if new_block_ids is None and drafts:  # proposals never preempt anyone
+                drafts = []
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 if len(self.running) == 1:  # alone and still short of blocks
                     self.running.pop()
@@ -206,9 +242,37 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             plan.running_reqs.append(request)
             plan.new_block_ids[request.request_id] = new_block_ids
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             plan.num_scheduled_tokens[request.request_id] = num_new
             plan.token_budget -= num_new
             i += 1
+
+    def _spec_share(self) -> int:
+        """Most tokens each decoding request may propose this step: the step's decode
+        rows and proposals together within MAX_STEP_ROWS, shared evenly."""
+        spec = self.speculative_config
+        if spec is None or not self.running:
+            return 0
+        if spec.disable_by_batch_size is not None and len(self.running) >= spec.disable_by_batch_size:
+            return 0
+        decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if decodes == 0:
+            return 0
+        assert spec.num_speculative_tokens is not None
+        return min(spec.num_speculative_tokens, (MAX_STEP_ROWS - decodes) // decodes)
+
+    def _propose(self, request: Request, plan: _StepPlan) -> list[int]:
+        """Tokens to verify after the request's last one: none for a structured output
+        (its grammar is not advanced over proposals), and never past max_tokens, the
+        context or the step's budget."""
+        if request.structured_output_request is not None or self.proposer is None:
+            return []
+        limit = min(plan.spec_share, plan.token_budget - 1,
+                    request.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens)
+        return self.proposer.propose(request.all_token_ids, limit) if limit > 0 else []
 
     def _pick_victim_index(self) -> int:
         """FCFS: the newest running request. Priority: the largest (priority, arrival)."""
@@ -227,6 +291,7 @@ class Scheduler:
             plan.token_budget += granted
             plan.running_reqs.remove(request)
             del plan.new_block_ids[request.request_id]
+            plan.spec_tokens.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -313,6 +378,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         if self.structured_output_manager is not None:
             # Rows for the constrained requests that sample this step (their last prompt
@@ -347,6 +413,14 @@ class Scheduler:
             # a prefill chunk that is not the last, which samples nothing.
             if req_id in row and request.num_computed_tokens >= request.num_tokens:
                 sampled = model_runner_output.sampled_token_ids[row[req_id]]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:
+                # The runner kept the proposals the model agreed with and one token of its
+                # own after them; the KV of the rejected ones is no longer the request's.
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._spec_stats.record(len(drafts), num_accepted)
+                self.spec_totals.record(len(drafts), num_accepted)
             new_token_ids = self._append_and_check_stop(request, sampled)
             if req_id in model_runner_output.pooler_output:  # a pooling request is done
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -497,7 +571,12 @@ class Scheduler:
             num_preemptions=self._num_preemptions_since_stats,
             num_free_blocks=self.kv_cache_manager.get_num_free_blocks(),
             num_total_blocks=self.kv_cache_manager.block_pool.num_usable_blocks,
+            spec_num_drafts=self._spec_stats.num_drafts,
+            spec_num_draft_tokens=self._spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self._spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=self._spec_stats.accepted_per_pos,
         )
+        self._spec_stats = _SpecStats()
         self._num_preemptions_since_stats = 0
         return stats
 

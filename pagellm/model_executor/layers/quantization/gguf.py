@@ -38,8 +38,11 @@ from pagellm.utils import cdiv, libc_madvise
 
 logger = init_logger(__name__)
 
-DIRECT_MAX_ROWS = 8
-"""Input rows up to which the direct kernel runs; above, dequantized tiles + matmul."""
+DIRECT_MAX_ROWS = 16
+"""Input rows up to which the direct kernel runs (float32 activations); above, dequantized
+tiles + matmul. Its sums of a row do not depend on the row count (ggml_cpu.c dot1/dot2),
+so a step of up to 16 rows (decodes, or a verify run of speculative decoding) gives each
+row the numbers it gets alone."""
 
 BATCHED_MAX_ROWS = 256
 """Input rows up to which `pg_gemm_batched` runs; above, dequantized tiles + matmul."""
