@@ -52,6 +52,11 @@ class PrometheusStatLogger:
         self.request_success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
         self.engine_restarts = counter("engine_restarts", "Engine-core processes that died and were restarted "
                                        "(--restart-engine-on-failure).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verify runs (a request's proposals in a step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in the run.", ("position",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
@@ -78,6 +83,12 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*lbl).inc(sched.prefix_cache_queries)
             self.prefix_hits.labels(*lbl).inc(sched.prefix_cache_hits)
             self.preemptions.labels(*lbl).inc(sched.num_preemptions)
+            if sched.spec_num_drafts:
+                self.spec_drafts.labels(*lbl).inc(sched.spec_num_drafts)
+                self.spec_draft_tokens.labels(*lbl).inc(sched.spec_num_draft_tokens)
+                self.spec_accepted.labels(*lbl).inc(sched.spec_num_accepted_tokens)
+                for pos, n in enumerate(sched.spec_accepted_per_pos):
+                    self.spec_accepted_per_pos.labels(*lbl, str(pos)).inc(n)
         if it is None:
             return
         self.prompt_tokens.labels(*lbl).inc(it.num_prompt_tokens)
@@ -138,10 +149,14 @@ class LoggingStatLogger:
         self.num_engines = num_engines
         self.shown_counts = (0, 0)  # (running, waiting) of the last line
         self.quiet_logged = True  # a server that has not worked yet has nothing to say
+        self.spec = [0, 0, 0]  # speculative decoding this interval: runs, proposed, accepted
 
     def record(self, sched: SchedulerStats | None, it: IterationStats | None, engine_index: int = 0) -> None:
         if sched is not None:
             self.sched[engine_index] = sched
+            self.spec[0] += sched.spec_num_drafts
+            self.spec[1] += sched.spec_num_draft_tokens
+            self.spec[2] += sched.spec_num_accepted_tokens
         if it is not None:
             self.prompt_tokens += it.num_prompt_tokens
             self.generation_tokens += it.num_generation_tokens
@@ -162,9 +177,14 @@ class LoggingStatLogger:
                 f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, KV cache usage: {usage * 100:.1f}%"
             )
+            runs, proposed, accepted = self.spec
+            if proposed:  # vLLM's spec decoding figures: accepted share, tokens per verify run
+                line += (f", Draft acceptance rate: {accepted / proposed * 100:.1f}%, "
+                         f"Mean acceptance length: {1 + accepted / runs:.2f}")
             logger.info(line)
             self.shown_counts = (running, waiting)
         self.quiet_logged = quiet
         self.prompt_tokens = self.generation_tokens = 0
+        self.spec = [0, 0, 0]
         self.last_log = now
         return line

@@ -100,3 +100,26 @@ def test_prometheus_exports_vllm_names_and_phase_histograms() -> None:
     pagellm_names = {k.removeprefix("pagellm:") for k in samples if k.startswith("pagellm:")}
     vllm_names = {k.removeprefix("vllm:") for k in samples if k.startswith("vllm:")}
     assert pagellm_names == vllm_names
+
+
+def test_speculative_decoding_counters_and_line() -> None:
+    """vLLM's spec_decode counters (per position too) and the acceptance figures in the
+    stats line, from the scheduler's counts since its last stats."""
+    from pagellm.metrics.loggers import PrometheusStatLogger
+
+    sched = SchedulerStats(num_running_reqs=1, spec_num_drafts=4, spec_num_draft_tokens=12,
+                           spec_num_accepted_tokens=6, spec_accepted_per_pos=[3, 2, 1])
+    prom_logger = PrometheusStatLogger("m")
+    prom_logger.record(sched, None)
+    prom_logger.record(sched, None)
+    text = prom_logger.render().decode()
+    for prefix in ("pagellm", "vllm"):
+        assert f'{prefix}:spec_decode_num_drafts_total{{engine="0",model_name="m"}} 8.0' in text
+        assert f'{prefix}:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} 24.0' in text
+        assert f'{prefix}:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} 12.0' in text
+        assert f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} 4.0' in text
+    stats = LoggingStatLogger()
+    stats.record(sched, IterationStats(num_generation_tokens=10))
+    assert stats.log().endswith("Draft acceptance rate: 50.0%, Mean acceptance length: 2.50")
+    _step(stats, running=1, generated=3)  # no proposals this interval: no figures
+    assert "Draft" not in stats.log()
