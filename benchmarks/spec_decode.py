@@ -1,0 +1,197 @@
+"""Speculative decoding (n-gram prompt lookup) on one conversation, with and without it,
+pagellm and llama-server in turns.
+
+    python benchmarks/spec_decode.py                                  # pagellm alone
+    python benchmarks/spec_decode.py --llama-server $B/llama-server   # and llama.cpp beside
+
+Workloads (one request at a time, greedy):
+- G (input-grounded): the chat template around "Repeat the following text exactly" and a
+  passage of real English (tests/data/public_domain_english.txt, cut into --passages
+  pieces of ~--passage-chars characters), up to --max-tokens out, stopping where the model
+  stops: the output repeats its input, where prompt lookup pays.
+- S (nothing to match): compare.py's S shape, 128 deterministic ids in and --max-tokens out
+  with EOS ignored; proposals rarely exist there, so this row shows what speculation
+  costs when it cannot help.
+
+Systems: `pagellm` (the default LLM(): engine core in its own process) and `pagellm-ngram`
+(the same with --spec-config, vLLM's speculative_config), one live engine each, taking
+turns; with --llama-server, `llamacpp` (`llama-server -t N -tb N -np 1 --jinja`, compare.py's
+thread settings, in the user's own environment) and `llamacpp-ngram` (the same with
+--llama-spec-args, default `--spec-type ngram-simple` at its documented sizes), each
+started once and asked in the same turns through /v1/chat/completions (G) or /completion
+(S, token ids). A request's decode rate is (tokens - 1) / (last token - first token):
+pagellm's from RequestOutput.metrics, llama-server's from its `timings`
+(predicted_per_second, which counts the first token's step too). Rows: the median over
+rounds and passages, the acceptance rate where a system reports one, and the ratios of
+each speculative row to its own plain row and to llama-server's speculative row.
+Results go to benchmarks/results/spec-decode-<timestamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import compare
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "public_domain_english.txt"
+S_PROMPT = [1 + (i * 7) % 1000 for i in range(128)]
+
+
+def passages(count: int, chars: int) -> list[str]:
+    """`count` pieces of the text, each ~`chars` characters cut at a sentence end."""
+    text = " ".join(TEXT.read_text(encoding="utf-8").split())
+    out, start = [], 0
+    for _ in range(count):
+        end = text.find(". ", start + chars)
+        end = len(text) if end < 0 else end + 1
+        out.append(text[start:end])
+        start = end + 1
+    return out
+
+
+def grounded_messages(passage: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{passage}"}]
+
+
+def decode_rate(metrics: Any, n: int) -> float:
+    span = (metrics.last_token_time or 0) - (metrics.first_token_time or 0)
+    return (n - 1) / span if n > 1 and span > 0 else float("nan")
+
+
+class Pagellm:
+    def __init__(self, model: str, spec: dict | None) -> None:
+        from pagellm import LLM
+
+        self.llm = LLM(model, speculative_config=spec)
+
+    def grounded(self, passage: str, max_tokens: int) -> tuple[float, int]:
+        from pagellm import SamplingParams
+
+        out = self.llm.chat(grounded_messages(passage), SamplingParams(temperature=0, max_tokens=max_tokens),
+                            use_tqdm=False)[0]
+        n = len(out.outputs[0].token_ids)
+        return decode_rate(out.metrics, n), n
+
+    def stream(self, max_tokens: int) -> tuple[float, int]:
+        from pagellm import SamplingParams
+
+        out = self.llm.generate({"prompt_token_ids": S_PROMPT},
+                                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                use_tqdm=False)[0]
+        return decode_rate(out.metrics, len(out.outputs[0].token_ids)), len(out.outputs[0].token_ids)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class LlamaServer:
+    def __init__(self, binary: str, model: str, extra: list[str]) -> None:
+        self.port = compare.free_port()
+        cmd = [binary, "-m", model, "--port", str(self.port), "-np", "1", "-c", "8192", "--jinja",
+               *compare.llamacpp_threads(), *extra]
+        self.proc = subprocess.Popen(cmd, env=compare.system_env(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        compare.wait_for_server(self.url + "/health", self.proc, 300)
+        self.accepted = [0, 0]  # draft tokens accepted, proposed
+
+    def _post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def _rate(self, reply: dict) -> tuple[float, int]:
+        t = reply["timings"]
+        self.accepted[0] += t.get("draft_n_accepted", 0)
+        self.accepted[1] += t.get("draft_n", 0)
+        return t["predicted_per_second"], t["predicted_n"]
+
+    def grounded(self, passage: str, max_tokens: int) -> tuple[float, int]:
+        return self._rate(self._post("/v1/chat/completions", {
+            "messages": grounded_messages(passage), "max_tokens": max_tokens, "temperature": 0}))
+
+    def stream(self, max_tokens: int) -> tuple[float, int]:
+        return self._rate(self._post("/completion", {
+            "prompt": S_PROMPT, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": False}))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a GGUF file or compare.py's names (default: the default model)")
+    p.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}', help="pagellm-ngram's speculative_config")
+    p.add_argument("--llama-server", default=None, help="llama-server binary: adds the llamacpp rows")
+    p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
+                   help="llamacpp-ngram's extra flags")
+    p.add_argument("--workloads", default="G,S")
+    p.add_argument("--passages", type=int, default=4)
+    p.add_argument("--passage-chars", type=int, default=700)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    model = compare.resolve_model(args.model)
+    spec = json.loads(args.spec_config)
+    texts = passages(args.passages, args.passage_chars)
+    systems: dict[str, Any] = {"pagellm": Pagellm(model, None), "pagellm-ngram": Pagellm(model, spec)}
+    if args.llama_server:
+        systems["llamacpp"] = LlamaServer(args.llama_server, model, [])
+        systems["llamacpp-ngram"] = LlamaServer(args.llama_server, model, args.llama_spec_args.split())
+    rates: dict[tuple[str, str], list[float]] = {}
+    lengths: dict[tuple[str, str], list[int]] = {}
+    try:
+        for system in systems.values():  # warm-up: kernels, caches, first allocations
+            system.stream(8)
+        for r in range(args.rounds):
+            for workload in args.workloads.split(","):
+                jobs = [(i, t) for i, t in enumerate(texts)] if workload == "G" else [(0, None)]
+                for i, passage in jobs:
+                    order = list(systems) if r % 2 == 0 else list(reversed(systems))
+                    for name in order:
+                        s = systems[name]
+                        rate, n = s.grounded(passage, args.max_tokens) if workload == "G" else s.stream(args.max_tokens)
+                        rates.setdefault((name, workload), []).append(rate)
+                        lengths.setdefault((name, workload), []).append(n)
+                        print(f"round {r} {workload}{i} {name:15s} {rate:7.1f} tok/s ({n} tokens)", flush=True)
+        totals = {name: {"draft_n_accepted": s.accepted[0], "draft_n": s.accepted[1]}
+                  for name, s in systems.items() if isinstance(s, LlamaServer) and s.accepted[1]}
+    finally:
+        for s in systems.values():
+            s.close()
+    rows = {}
+    print(f"\n{'system':16s} {'workload':8s} {'decode tok/s':>12s} {'tokens':>7s}  ratio")
+    for (name, workload), values in rates.items():
+        med = statistics.median(values)
+        base = rates.get((name.removesuffix("-ngram"), workload))
+        ratio = med / statistics.median(base) if base and name.endswith("-ngram") else None
+        rows[f"{name}/{workload}"] = {"median_tok_s": med, "rounds": values, "tokens": lengths[(name, workload)],
+                                      "over_plain": ratio}
+        peer = rates.get(("llamacpp-ngram", workload))
+        vs = f", x{med / statistics.median(peer):.2f} llamacpp-ngram" if peer and name == "pagellm-ngram" else ""
+        print(f"{name:16s} {workload:8s} {med:12.1f} {statistics.median(lengths[(name, workload)]):7.0f}  "
+              + (f"x{ratio:.2f} over plain" if ratio else "") + vs)
+    result = {"machine": compare.describe_machine(quick=True), "model": model, "args": vars(args),
+              "rows": rows, "llamacpp_drafts": totals}
+    out = Path(__file__).resolve().parent / "results" / f"spec-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nresults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
