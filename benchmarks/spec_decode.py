@@ -62,32 +62,44 @@ def grounded_messages(passage: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Repeat the following text exactly, word for word.\n\n{passage}"}]
 
 
-def decode_rate(metrics: Any, n: int) -> float:
-    span = (metrics.last_token_time or 0) - (metrics.first_token_time or 0)
-    return (n - 1) / span if n > 1 and span > 0 else float("nan")
-
-
 class Pagellm:
+    """A live LLM() (its engine core in its own process), driven step by step: a request's
+    decode rate is (tokens - 1) / (the step that gave the last token - the step that gave
+    the first)."""
+
     def __init__(self, model: str, spec: dict | None) -> None:
         from pagellm import LLM
 
         self.llm = LLM(model, speculative_config=spec)
+        self.engine = self.llm.llm_engine
+        self.count = 0
+
+    def _run(self, prompt: Any, params: Any) -> tuple[float, int]:
+        self.count += 1
+        self.engine.add_request(f"r{self.count}", prompt, params)
+        first = last = None
+        n = 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                now = time.perf_counter()
+                got = len(out.outputs[0].token_ids)
+                if got > n:
+                    first = first if first is not None else now
+                    last, n = now, got
+        return ((n - 1) / (last - first) if n > 1 and last > first else float("nan")), n
 
     def grounded(self, passage: str, max_tokens: int) -> tuple[float, int]:
         from pagellm import SamplingParams
 
-        out = self.llm.chat(grounded_messages(passage), SamplingParams(temperature=0, max_tokens=max_tokens),
-                            use_tqdm=False)[0]
-        n = len(out.outputs[0].token_ids)
-        return decode_rate(out.metrics, n), n
+        text = self.engine.get_tokenizer().apply_chat_template(
+            grounded_messages(passage), add_generation_prompt=True, tokenize=False)
+        return self._run(text, SamplingParams(temperature=0, max_tokens=max_tokens))
 
     def stream(self, max_tokens: int) -> tuple[float, int]:
         from pagellm import SamplingParams
 
-        out = self.llm.generate({"prompt_token_ids": S_PROMPT},
-                                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                use_tqdm=False)[0]
-        return decode_rate(out.metrics, len(out.outputs[0].token_ids)), len(out.outputs[0].token_ids)
+        return self._run({"prompt_token_ids": S_PROMPT},
+                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -101,7 +113,7 @@ class LlamaServer:
         self.proc = subprocess.Popen(cmd, env=compare.system_env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
-        compare.wait_for_server(self.url + "/health", self.proc, 300)
+        compare.wait_for_server(self.url, self.proc, 300)
         self.accepted = [0, 0]  # draft tokens accepted, proposed
 
     def _post(self, path: str, body: dict) -> dict:

@@ -598,3 +598,65 @@ def test_random_workload_with_aborts(policy: str, chunked: bool) -> None:
 def test_a_request_without_max_tokens_is_refused_not_given_one_token() -> None:
     with pytest.raises(ValueError, match="'r' reached the engine core without max_tokens"):
         Request("r", [1, 2, 3], SamplingParams(max_tokens=None))
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+
+def _spec_scheduler(k: int = 4, **kwargs: object) -> Scheduler:
+    from pagellm.config import SpeculativeConfig
+
+    sched = make_scheduler(**kwargs)  # type: ignore[arg-type]
+    return Scheduler(sched.scheduler_config, sched.cache_config, speculative_config=SpeculativeConfig(
+        num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=3))
+
+
+def _verify_step(sched: Scheduler, picks: dict[str, list[int]]) -> SchedulerOutput:
+    """One step whose runner keeps `picks[req]` (a verify run's accepted proposals and its
+    own token; a plain decode's one token)."""
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[picks[r] for r in ids]))
+    sched.check_invariants()
+    return out
+
+
+def test_proposals_are_scheduled_and_rejected_ones_rolled_back() -> None:
+    sched = _spec_scheduler(k=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # suffix (5, 6) occurred at 0: propose 7, 8, 9, 10
+    sched.add_request(make_request("a", prompt, max_tokens=50, ignore_eos=True))
+    _verify_step(sched, {"a": [7]})  # the prompt; its first token 7
+    req = sched.requests["a"]
+    assert (req.num_tokens, req.num_computed_tokens) == (10, 9)
+    out = _verify_step(sched, {"a": [8, 9, 42]})  # (6, 7) -> 8, 9, 10, 11 proposed; 2 kept
+    assert out.scheduled_spec_decode_tokens == {"a": [8, 9, 10, 11]}
+    assert out.num_scheduled_tokens == {"a": 5}
+    assert req.output_token_ids == [7, 8, 9, 42]
+    assert (req.num_tokens, req.num_computed_tokens) == (13, 12)  # the KV of 10, 11 dropped
+    assert sched.spec_totals.num_draft_tokens == 4 and sched.spec_totals.num_accepted_tokens == 2
+    assert sched.spec_totals.accepted_per_pos == [1, 1, 0, 0]
+    # the next run is one past what the last one kept (3), and only where a match exists
+    req.append_output_token_ids([5, 6])  # the runner's picks would be these: (5, 6) -> 7, 8, 9
+    req.num_computed_tokens += 2
+    out = _verify_step(sched, {"a": [7, 8, 9, 10]})
+    assert out.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
+    assert (req.num_tokens, req.num_computed_tokens) == (19, 18)
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.check_invariants()
+    assert sched.kv_cache_manager.get_num_free_blocks() == sched.kv_cache_manager.block_pool.num_usable_blocks
+
+
+def test_proposals_stop_at_max_tokens_and_share_the_step_rows() -> None:
+    sched = _spec_scheduler(k=8)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    sched.add_request(make_request("a", prompt, max_tokens=3, ignore_eos=True))
+    _verify_step(sched, {"a": [3]})
+    out = _verify_step(sched, {"a": [4, 5]})  # 2 outputs left: one proposal at most
+    assert out.scheduled_spec_decode_tokens == {"a": [4]}
+    assert sched.requests == {}  # max_tokens reached inside the run
+    # 6 decoding requests: (16 - 6) // 6 = 1 proposal each
+    for i in range(6):
+        sched.add_request(make_request(f"r{i}", prompt, max_tokens=20, ignore_eos=True))
+    _verify_step(sched, {f"r{i}": [3] for i in range(6)})
+    out = _verify_step(sched, {f"r{i}": [4, 5] for i in range(6)})
+    assert out.scheduled_spec_decode_tokens == {f"r{i}": [4] for i in range(6)}

@@ -124,6 +124,8 @@ class Scheduler:
         if speculative_config is not None:
             self.proposer = NgramProposer(*speculative_config.lookup_range)
         self._spec_stats = _SpecStats()
+        self._spec_k: dict[str, int] = {}
+        """Proposal length each speculating request gets next (see _adapt_spec_k)."""
         self.spec_totals = _SpecStats()
         """Speculative decoding since start (the stats carry the counts since the last)."""
 
@@ -176,6 +178,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._spec_k.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self._finished_by_client[request.client_index].add(request.request_id)
@@ -249,6 +252,16 @@ class Scheduler:
             plan.token_budget -= num_new
             i += 1
 
+    def _adapt_spec_k(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        """A request's next proposal length follows its last verify run: one more after a
+        run the model took whole, one past what it took otherwise. A verify row costs a
+        fraction of a decode step (0.15-0.5 of one on 2 cores: the int8 kernels' work grows
+        with the rows), so proposals that keep failing must shrink to pay."""
+        spec = self.speculative_config
+        assert spec is not None and spec.num_speculative_tokens is not None
+        grown = num_drafted + 1 if num_accepted == num_drafted else num_accepted + 1
+        self._spec_k[req_id] = min(spec.num_speculative_tokens, grown)
+
     def _spec_share(self) -> int:
         """Most tokens each decoding request may propose this step: the step's decode
         rows and proposals together within MAX_STEP_ROWS, shared evenly."""
@@ -269,7 +282,8 @@ class Scheduler:
         context or the step's budget."""
         if request.structured_output_request is not None or self.proposer is None:
             return []
-        limit = min(plan.spec_share, plan.token_budget - 1,
+        limit = min(plan.spec_share, self._spec_k.get(request.request_id, plan.spec_share),
+                    plan.token_budget - 1,
                     request.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens)
         return self.proposer.propose(request.all_token_ids, limit) if limit > 0 else []
@@ -420,6 +434,7 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self._spec_stats.record(len(drafts), num_accepted)
+                self._adapt_spec_k(request.request_id, len(drafts), num_accepted)
                 self.spec_totals.record(len(drafts), num_accepted)
             new_token_ids = self._append_and_check_stop(request, sampled)
             if req_id in model_runner_output.pooler_output:  # a pooling request is done
