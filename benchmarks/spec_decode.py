@@ -145,8 +145,8 @@ class LlamaServer:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a GGUF file or compare.py's names (default: the default model)")
-    p.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}', help="pagellm-ngram's speculative_config")
+    p.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 8, '
+                   '"prompt_lookup_max": 5, "prompt_lookup_min": 3}', help="pagellm-ngram's speculative_config")
     p.add_argument("--llama-server", default=None, help="llama-server binary: adds the llamacpp rows")
     p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
                    help="llamacpp-ngram's extra flags")
