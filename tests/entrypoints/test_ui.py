@@ -425,6 +425,39 @@ def test_dashboard_follows_16_requests(server, model, browser) -> None:
     check_layout_and_screenshot(browser, "dashboard")
 
 
+def test_dashboard_plots_speculative_acceptance(browser) -> None:
+    """A server with n-gram speculation: a streamed completion of a repeating prompt is the
+    greedy text of the offline engine without it, and the dashboard plots the share of
+    proposals accepted (the vllm:spec_decode counters)."""
+    from pagellm import LLM, SamplingParams
+
+    prompt = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"
+    want = LLM(multiprocess_mode=False, max_model_len=1024).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    srv = ServerProcess("--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}))
+    try:
+        open_page(browser, srv, path="/dashboard")
+        wait_for(lambda: browser.execute_script("return window.pagellmDashboard.polls") >= 2, 30, "two polls")
+        text = ""
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=AUTH, timeout=120, json={
+                "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == want
+        metrics = httpx.get(srv.url + "/metrics").text
+        accepted = float(re.search(r'^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)', metrics, re.M).group(1))
+        assert accepted > 0
+
+        def plotted() -> list:
+            return browser.execute_script(
+                "return (window.pagellmDashboard.series['spec_acceptance_perc']['0'] || []).map(p => p[1])")
+        wait_for(lambda: any(v is not None and 0 < v <= 100 for v in plotted()), 30, "the acceptance plot")
+    finally:
+        srv.stop()
+
+
 def test_disable_ui_leaves_the_api_only(tiny_model) -> None:
     srv = ServerProcess(tiny_model("llama"), "--max-model-len", "256", "--disable-ui")
     try:

@@ -21,6 +21,7 @@
     { id: "requests", title: "Requests running / waiting", unit: "", metrics: [["running", "running"], ["waiting", "waiting"]], integer: true },
     { id: "kv", title: "KV cache usage", unit: "%", metrics: [["kv_cache_usage_perc", "usage"]], yCap: 100 },
     { id: "prefix", title: `Prefix cache hit rate (last ${RATE_WINDOW_S} s)`, unit: "%", metrics: [["prefix_cache_hit_rate_perc", "hit rate"]], yMax: 100 },
+    { id: "spec", title: `Speculative proposals accepted (last ${RATE_WINDOW_S} s)`, unit: "%", metrics: [["spec_acceptance_perc", "accepted"]], yMax: 100 },
     { id: "prompt", title: "Prompt tokens/s", unit: "", metrics: [["prompt_tokens_per_s", "prompt"]] },
     { id: "generation", title: "Generation tokens/s", unit: "", metrics: [["generation_tokens_per_s", "generation"]] },
     { id: "ttft", title: `Time to first token (last ${RATE_WINDOW_S} s)`, unit: "s", metrics: [["ttft_p50", "p50"], ["ttft_p90", "p90"], ["ttft_p99", "p99"]] },
@@ -58,7 +59,7 @@
   }
 
   function emptyEngine() {
-    return { running: 0, waiting: 0, kv: 0, prompt: 0, generation: 0, prefixQueries: 0, prefixHits: 0, preemptions: 0, restarts: 0, ttft: {}, tpot: {}, finished: {} };
+    return { running: 0, waiting: 0, kv: 0, prompt: 0, generation: 0, prefixQueries: 0, prefixHits: 0, specDrafted: 0, specAccepted: 0, preemptions: 0, restarts: 0, ttft: {}, tpot: {}, finished: {} };
   }
 
   // One poll's numbers per engine label; counters absent so far read as 0 (they appear at
@@ -88,6 +89,8 @@
         case "prefix_cache_queries_total": eng(labels).prefixQueries = value; break;
         case "prefix_cache_hits_total": eng(labels).prefixHits = value; break;
         case "num_preemptions_total": eng(labels).preemptions = value; break;
+        case "spec_decode_num_draft_tokens_total": eng(labels).specDrafted = value; break;
+        case "spec_decode_num_accepted_tokens_total": eng(labels).specAccepted = value; break;
         case "time_to_first_token_seconds_bucket": bucket(eng(labels).ttft, labels, value); break;
         case "inter_token_latency_seconds_bucket": bucket(eng(labels).tpot, labels, value); break;
         case "request_success_total": {
@@ -177,6 +180,9 @@
       const queries = cur.prefixQueries - (usable ? usable.prefixQueries : 0);
       const hits = cur.prefixHits - (usable ? usable.prefixHits : 0);
       push("prefix_cache_hit_rate_perc", engine, t, usable && queries > 0 ? (100 * hits) / queries : null);
+      const drafted = cur.specDrafted - (usable ? usable.specDrafted : 0);
+      const accepted = cur.specAccepted - (usable ? usable.specAccepted : 0);
+      push("spec_acceptance_perc", engine, t, usable && drafted > 0 ? (100 * accepted) / drafted : null);
       for (const q of [50, 90, 99]) {
         push(`ttft_p${q}`, engine, t, usable ? quantile(q / 100, cur.ttft, usable.ttft) : null);
         push(`tpot_p${q}`, engine, t, usable ? quantile(q / 100, cur.tpot, usable.tpot) : null);
