@@ -32,6 +32,7 @@ from pagellm.core.protocol import (
     engine_dead_frame,
     engine_identity,
 )
+from pagellm.engine.prestart import ENGINE_STOP_SIGNAL
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -186,13 +187,16 @@ def main() -> None:
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     proc: EngineCoreProc | None = None
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_stop(signum: int, frame: Any) -> None:
         if proc is None:
             _exit_now(0)
         proc.shutdown_requested = True
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C
+    # The frontend owns Ctrl-C and SIGTERM (it drains, then stops its cores); a core stops
+    # when told (ENGINE_STOP_SIGNAL) or when its parent dies.
+    signal.signal(ENGINE_STOP_SIGNAL, on_stop)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     payload = sys.stdin.buffer.read()  # process bootstrap only, never the wire
     if not payload:  # a prestarted process its frontend never claimed
         _exit_now(0)

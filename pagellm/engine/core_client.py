@@ -44,7 +44,12 @@ from pagellm.core.protocol import (
     rank_of_identity,
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
-from pagellm.engine.prestart import claim_prestarted, engine_command, socket_addresses
+from pagellm.engine.prestart import (
+    ENGINE_STOP_SIGNAL,
+    claim_prestarted,
+    launch_engine_process,
+    socket_addresses,
+)
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -160,7 +165,7 @@ class _BackgroundResources:
         procs = list(self.procs.values())
         for proc in procs:
             if proc.poll() is None:
-                proc.terminate()
+                proc.send_signal(ENGINE_STOP_SIGNAL)
         deadline = time.monotonic() + 5
         for proc in procs:
             try:
@@ -179,8 +184,7 @@ class _BackgroundResources:
 def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[subprocess.Popen]:
     procs = []
     for rank in ranks:
-        proc = subprocess.Popen(engine_command(rank, input_addr, output_addr), stdin=subprocess.PIPE,
-                                env=envs.compute_env())  # + pagellm's OpenMP defaults
+        proc = launch_engine_process(rank, input_addr, output_addr)  # + pagellm's OpenMP defaults
         _send_config(proc, config)
         procs.append(proc)
     return procs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,32 @@ class PrestartedEngine:
 
 
 _waiting: PrestartedEngine | None = None
+
+
+ENGINE_STOP_SIGNAL = signal.SIGUSR1
+"""How a frontend tells its engine-core process to stop (`stop_engine_process`). Engine cores
+ignore SIGTERM and SIGINT and run in a session of their own: a stop meant for the whole
+program (Ctrl-C, `kill -- -PGID`, systemd stopping the service's control group) is the
+frontend's to handle, which drains its requests first and then stops its cores."""
+
+
+def launch_engine_process(rank: int, input_addr: str, output_addr: str) -> subprocess.Popen:
+    """An engine-core process for `rank` (its config still to be written to its stdin), in
+    a session of its own, so that a signal to the frontend's process group misses it."""
+    return subprocess.Popen(engine_command(rank, input_addr, output_addr), stdin=subprocess.PIPE,
+                            env=envs.compute_env(), start_new_session=True)
+
+
+def stop_engine_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Asks an engine-core process to stop (ENGINE_STOP_SIGNAL) and waits; SIGKILL after
+    `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(ENGINE_STOP_SIGNAL)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def engine_command(rank: int, input_addr: str, output_addr: str) -> list[str]:
@@ -59,8 +86,7 @@ def prestart_engine_core() -> None:
         return
     tmpdir = tempfile.mkdtemp(prefix="pagellm-")
     input_addr, output_addr = socket_addresses(tmpdir)
-    proc = subprocess.Popen(engine_command(0, input_addr, output_addr), stdin=subprocess.PIPE,
-                            env=envs.compute_env())
+    proc = launch_engine_process(0, input_addr, output_addr)
     _waiting = PrestartedEngine(proc, tmpdir, input_addr, output_addr)
     atexit.register(discard_prestarted)
 
@@ -86,11 +112,5 @@ def _stop(engine: PrestartedEngine) -> None:
     proc = engine.proc
     if proc.stdin is not None:
         proc.stdin.close()  # end of file: it exits without loading anything
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_engine_process(proc)
     shutil.rmtree(engine.tmpdir, ignore_errors=True)

@@ -387,13 +387,13 @@ def run_server(args: Any) -> int:
         if not args.disable_ui:
             logger.info("Chat page at http://%s:%d/ and engine dashboard at /dashboard", args.host, args.port)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        # uvicorn stops serving on SIGTERM and then raises the signal again once its own
-        # handler is gone; landing here (not in the default handler, which kills the
-        # process) lets the engine shut down below.
+    def on_stop(signum: int, frame: Any) -> None:
+        # uvicorn stops serving on SIGTERM or Ctrl-C (a second Ctrl-C: at once) and then
+        # raises the signal again once its own handler is gone; landing here (not in the
+        # default handler, which kills the process) lets the engine shut down below.
         raise SystemExit(0)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {sig: signal.signal(sig, on_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         # On SIGTERM uvicorn stops accepting, lets in-flight responses finish for
         # --shutdown-timeout seconds, then cancels them (which aborts their requests).
@@ -401,7 +401,8 @@ def run_server(args: Any) -> int:
                                                timeout_graceful_shutdown=args.shutdown_timeout))
         server.run(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
         engine.shutdown()
     return exit_status

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -21,13 +22,16 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, new_session: bool = False, stderr: Any = None):
+        """`new_session`: the server leads a process group of its own (a test signals the
+        group); `stderr`: where its log goes (default: the test's)."""
         self.api_key = API_KEY
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(self.port), "--api-key", API_KEY,
                "--max-model-len", "1024", *extra]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                     start_new_session=new_session, stderr=stderr)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

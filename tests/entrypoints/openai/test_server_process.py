@@ -5,6 +5,7 @@ errors in one line, and --disable-log-stats leaves no half-filled metrics."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import socket
@@ -57,6 +58,51 @@ def test_sigterm_shuts_the_engine_down(model) -> None:
         assert _ipc_dirs() <= before  # the engine's socket directory is gone too
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_the_whole_group_drains(model, tmp_path, sig) -> None:
+    """Ctrl-C in a terminal and `kill -- -PGID` signal the server's process group, systemd's
+    stop the whole control group (the engine core too): under 4 streams every stream still
+    gets its tokens, the server exits 0 and logs no error (the core leaves the signal to
+    its frontend, which drains and then stops it)."""
+    log = open(tmp_path / "server.log", "w+")
+    srv = ServerProcess(model, "--max-model-len", "256", "--shutdown-timeout", "60", new_session=True, stderr=log)
+    engines = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+               if "engine_core_proc" in " ".join(p.cmdline())]
+    body = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def stream() -> int:
+        tokens = 0
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {srv.api_key}"}) as r:
+            for line in r.iter_lines():
+                assert "error" not in line, line
+                if line.startswith("data: {") and json.loads(line[6:]).get("usage"):
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream) for _ in range(4)]
+            while srv.metric("pagellm:num_requests_running") < 4:
+                time.sleep(0.05)
+            os.killpg(srv.proc.pid, sig)
+            for p in engines:  # as systemd's control-group stop reaches every process
+                p.send_signal(sig)
+            assert [f.result() for f in futures] == [150] * 4
+        assert srv.proc.wait(timeout=60) == 0
+        psutil.wait_procs(engines, timeout=10)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines)
+        log.seek(0)
+        text = log.read()
+        assert " ERROR " not in text and "died" not in text, text[-2000:]
+    finally:
+        srv.stop()
+        log.close()
 
 
 def test_port_in_use_fails_before_the_model_loads(model) -> None:
