@@ -93,6 +93,9 @@ _VARS = {
     "PAGELLM_ENABLE_MULTIPROCESSING": lambda: _bool("PAGELLM_ENABLE_MULTIPROCESSING", True),
     # Outputs handled per chunk by AsyncLLM's output handler before yielding to the loop.
     "PAGELLM_OUTPUT_PROC_CHUNK_SIZE": lambda: _int("PAGELLM_OUTPUT_PROC_CHUNK_SIZE", 128),
+    # Seconds an idle HTTP keep-alive connection stays open (vLLM's
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE; uvicorn's timeout_keep_alive).
+    "PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _int("PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE", 5),
     # Seconds the client waits for an engine core to report ready.
     "PAGELLM_ENGINE_READY_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_READY_TIMEOUT_S", 600.0),
     # Where converted tokenizers and other caches live.

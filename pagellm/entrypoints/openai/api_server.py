@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm import __version__
+from pagellm import __version__, envs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import GENERATE_ON_POOLING
 from pagellm.entrypoints.anthropic.protocol import MessagesRequest
@@ -330,6 +330,7 @@ def run_server(args: Any) -> int:
     chat_template = load_chat_template(args.chat_template)
     _check_tool_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
+    _raise_open_file_limit()
     # The port is taken before the model loads: a port in use fails at once, not after
     # minutes of start-up.
     sock = _listen(args.host, args.port)
@@ -398,7 +399,8 @@ def run_server(args: Any) -> int:
         # On SIGTERM uvicorn stops accepting, lets in-flight responses finish for
         # --shutdown-timeout seconds, then cancels them (which aborts their requests).
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                               timeout_graceful_shutdown=args.shutdown_timeout))
+                                               timeout_graceful_shutdown=args.shutdown_timeout,
+                                               timeout_keep_alive=envs.PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE))
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
@@ -406,6 +408,25 @@ def run_server(args: Any) -> int:
         sock.close()
         engine.shutdown()
     return exit_status
+
+
+OPEN_FILES_WANTED = 65536
+"""The open-file limit the server raises its own soft limit to (within the hard limit):
+each connection is a file, and a soft limit of 1024, common, would refuse the 1000th
+idle client's neighbour, /health included (vLLM raises it the same way)."""
+
+
+def _raise_open_file_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(OPEN_FILES_WANTED, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("Could not raise the open-file limit from %d to %d (%s): at most ~%d "
+                           "connections at once.", soft, want, e, soft)
 
 
 def _log_tokenizer_directory(engine: AsyncLLM) -> None:

@@ -81,3 +81,40 @@ def test_128_streams_with_a_third_hanging_up(tiny_model) -> None:
         assert finished + aborted == 128
     finally:
         srv.stop()
+
+
+def test_a_thousand_idle_connections_leave_the_server_serving(tiny_model) -> None:
+    """1000 connections that send nothing (and 100 that stop half-way through their
+    headers) against a server started with the common soft open-file limit of 1024: it
+    raises its own limit, /health answers within 2 s and a request completes."""
+    import resource
+    import socket
+    import time
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        import pytest
+
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room for 1100 connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what the server starts with
+    try:
+        srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "256")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    idle: list[socket.socket] = []
+    try:
+        for i in range(1100):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            if i >= 1000:  # half-open: a request line and no end of headers
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            idle.append(s)
+        start = time.monotonic()
+        r = httpx.get(srv.url + "/health", timeout=10)
+        assert r.status_code == 200 and time.monotonic() - start < 2
+        r = httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {srv.api_key}"},
+                       json={"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        for s in idle:
+            s.close()
+        srv.stop()
