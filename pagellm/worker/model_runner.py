@@ -31,6 +31,7 @@ from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
 from pagellm.scheduler_output import SchedulerOutput
+from pagellm.spec_decode import MAX_STEP_ROWS
 from pagellm.utils import cdiv
 from pagellm.worker.huge_pages import KVHugePages
 from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
@@ -346,7 +347,7 @@ class ModelRunner:
         counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
         ends = inputs.cu[due + 1]
         logit_idx = np.concatenate([np.arange(e - c, e) for e, c in zip(ends, counts)]) if spec else ends - 1
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)])
+        logits = self._logits(hidden[torch.from_numpy(logit_idx).to(self.device)], bool(spec))
         metadata = batch.make_sampling_metadata(
             np.repeat(due_rows, counts), self.device,
             [list(d[:j]) for d in drafts for j in range(1 + len(d))] if spec else None)
@@ -374,6 +375,15 @@ class ModelRunner:
                 )
             start += count
         return out
+
+    def _logits(self, hidden: torch.Tensor, verifying: bool) -> torch.Tensor:
+        """The logits of the sampled rows. A step that verifies proposals takes them in
+        calls of MAX_STEP_ROWS rows: its proposals may have pushed the count past what the
+        head multiplies in one kind of kernel (quantization.gguf.Q8_MAX_ROWS), and each row
+        must get the logits it would get without them."""
+        if not verifying or hidden.shape[0] <= MAX_STEP_ROWS:
+            return self.model.compute_logits(hidden)
+        return torch.cat([self.model.compute_logits(part) for part in hidden.split(MAX_STEP_ROWS)])
 
     @staticmethod
     def _attach_bitmask(sched: SchedulerOutput, sampling_ids: list[str], metadata: SamplingMetadata) -> None:

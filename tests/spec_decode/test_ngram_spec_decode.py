@@ -220,3 +220,33 @@ def test_sampled_tokens_follow_the_same_distribution() -> None:
         plain.shutdown()
         spec.shutdown()
     assert not math.isnan(_chi_square_p(Counter([1, 2]), Counter([1, 2])))
+
+
+def test_a_prompt_finishing_beside_verify_runs_keeps_its_tokens() -> None:
+    """Two requests verifying 7 proposals each (16 decode rows) while a third one's prompt
+    finishes in the same step: 17 logits rows, taken in calls of 16 so that every row gets
+    the logits it gets without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    outputs = []
+    for config in (None, spec):
+        llm = _engine(None, config)
+        engine = llm.llm_engine
+        try:
+            engine.add_request("a", PROMPTS[1], params)
+            engine.add_request("b", PROMPTS[1].replace("1, 2", "6, 7"), params)
+            done: dict[str, list[int]] = {}
+            for step in range(200):
+                if step == 3:
+                    engine.add_request("c", PROMPTS[2], params)
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = list(out.outputs[0].token_ids)
+                if not engine.has_unfinished_requests():
+                    break
+            outputs.append(done)
+            if config is not None:
+                assert _core(llm).scheduler.spec_totals.num_draft_tokens >= 14
+        finally:
+            llm.shutdown()
+    assert outputs[1] == outputs[0] and len(outputs[0]) == 3

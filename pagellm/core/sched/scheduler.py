@@ -277,11 +277,12 @@ class Scheduler:
         return min(spec.num_speculative_tokens, (MAX_STEP_ROWS - decodes) // decodes)
 
     def _propose(self, request: Request, plan: _StepPlan) -> list[int]:
-        """Tokens to verify after the request's last one: none for a structured output
-        (its grammar is not advanced over proposals), and never past max_tokens, the
+        """Tokens to verify after the request's last generated one: none for a structured
+        output (its grammar is not advanced over proposals), and never past max_tokens, the
         context or the step's budget."""
-        if request.structured_output_request is not None or self.proposer is None:
-            return []
+        if (request.structured_output_request is not None or self.proposer is None
+                or request.num_computed_tokens < request.num_prompt_tokens):
+            return []  # (the last token of a prompt runs as a prompt row, alone)
         limit = min(plan.spec_share, self._spec_k.get(request.request_id, plan.spec_share),
                     plan.token_budget - 1,
                     request.max_tokens - request.num_output_tokens - 1,
