@@ -54,8 +54,9 @@ def launch_engine_process(rank: int, input_addr: str, output_addr: str) -> subpr
 def stop_engine_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """Asks an engine-core process to stop (ENGINE_STOP_SIGNAL) and waits; SIGKILL after
     `timeout` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(ENGINE_STOP_SIGNAL)
+    if proc.poll() is not None:
+        return
+    proc.send_signal(ENGINE_STOP_SIGNAL)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
