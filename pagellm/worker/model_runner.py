@@ -28,6 +28,7 @@ from pagellm.logger import init_logger
 from pagellm.model_executor.layers.pooler import Pooler
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.rejection_sampler import accepted_tokens
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
 from pagellm.scheduler_output import SchedulerOutput
@@ -359,7 +360,7 @@ class ModelRunner:
         start = 0
         for i, row, proposed, count in zip(due, due_rows, drafts, counts):
             picked = token_ids[start : start + count]
-            kept = _accepted(proposed, picked)
+            kept = accepted_tokens(proposed, picked)
             sampled[i] = kept
             for tok in kept:
                 batch.append_token(row, tok)
@@ -438,19 +439,6 @@ class ModelRunner:
             k = params.prompt_logprobs if params.prompt_logprobs >= 0 else self.model_config.vocab_size
             logits = self.model.compute_logits(h)
             out.prompt_logprobs[req_ids[i]] = compute_prompt_logprobs(logits, targets, k).tolists()
-
-
-def _accepted(proposed: list[int] | tuple, picked: list[int]) -> list[int]:
-    """The tokens a verify run keeps: row j's pick follows the first j proposals, so the
-    picks hold while each equals the proposal it was run on; the first that differs (or
-    the pick after the last proposal) ends the run. For a proposal that is one token
-    (n-gram lookup), keeping the sampled token where it equals the proposal and taking the
-    sampled one where it does not is rejection sampling: the kept tokens follow the
-    model's distribution exactly (greedy: its argmax)."""
-    n = 0
-    while n < len(proposed) and picked[n] == proposed[n]:
-        n += 1
-    return picked[: n + 1]
 
 
 @dataclass(slots=True)
