@@ -56,6 +56,14 @@ class ServerProcess:
     def metric(self, prefix: str) -> float:
         return sum(v for k, v in self.metrics().items() if k.startswith(prefix))
 
+    def wait_running(self, n: int, within: float = 60) -> None:
+        """Until `n` requests run in the engine(s), or fail: the requests a test sent may
+        all have finished before it looked (asserting beats looping forever)."""
+        deadline = time.monotonic() + within
+        while (running := self.metric("pagellm:num_requests_running")) < n:
+            assert time.monotonic() < deadline, f"{running:g} of {n} requests running after {within} s"
+            time.sleep(0.05)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -90,8 +90,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model) -> None:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
             tasks = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
-            while srv.metric("pagellm:num_requests_running") < 3:
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(srv.wait_running, 3)
             srv.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
 

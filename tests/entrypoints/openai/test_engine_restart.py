@@ -24,6 +24,12 @@ def _auth(srv: ServerProcess) -> dict[str, str]:
     return {"Authorization": f"Bearer {srv.api_key}"}
 
 
+def _long_model(tiny_model) -> str:
+    """The tiny llama with a 2048-token context: streams long enough that none finishes
+    before a test has seen them all running."""
+    return tiny_model("llama", max_position_embeddings=2048)
+
+
 def _engine_pids(srv: ServerProcess) -> dict[int, int]:
     """rank -> pid of each engine-core process under the server."""
     pids = {}
@@ -68,24 +74,23 @@ def _wait_healthy(srv: ServerProcess, within: float) -> float:
 
 
 def test_kill_9_under_load_restarts_the_engine(tiny_model) -> None:
-    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "256", "--restart-engine-on-failure")
+    srv = ServerProcess("--model", _long_model(tiny_model), "--max-model-len", "2048", "--restart-engine-on-failure")
     try:
         (old_pid,) = _engine_pids(srv).values()
         assert srv.metric("pagellm:engine_restarts_total") == 0
 
         async def load_and_kill() -> tuple[list[dict], float]:
             async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
-                body = {**BODY, "max_tokens": 200}  # still running when the engine dies
+                body = {**BODY, "max_tokens": 2000}  # still running when the engine dies
                 streams = [asyncio.create_task(_stream(client, body)) for _ in range(6)]
-                while srv.metric("pagellm:num_requests_running") < 6:
-                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(srv.wait_running, 6)
                 killed_at = time.monotonic()
                 os.kill(old_pid, signal.SIGKILL)
                 return await asyncio.gather(*streams), killed_at
 
         results, killed_at = asyncio.run(load_and_kill())
         for res in results:
-            assert res["done"] and res["chunks"] < 200 and res["tokens"] is None
+            assert res["done"] and res["chunks"] < 2000 and res["tokens"] is None
             assert res["error"]["code"] == 503 and res["error"]["type"] == "ServiceUnavailableError"
             assert res["error"]["message"] == (
                 "The engine core serving this request died (killed by SIGKILL) and is restarting; retry the request.")
@@ -119,7 +124,8 @@ def test_kill_9_under_load_restarts_the_engine(tiny_model) -> None:
 
 
 def test_data_parallel_kill_of_one_rank_leaves_the_other_serving(tiny_model) -> None:
-    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "256", "--data-parallel-size", "2",
+    # long streams: none may finish before all eight run (the kill comes after)
+    srv = ServerProcess("--model", _long_model(tiny_model), "--max-model-len", "2048", "--data-parallel-size", "2",
                         "--restart-engine-on-failure")
     try:
         pids = _engine_pids(srv)
@@ -127,10 +133,9 @@ def test_data_parallel_kill_of_one_rank_leaves_the_other_serving(tiny_model) -> 
 
         async def load_and_kill() -> tuple[list[dict], dict]:
             async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
-                body = {**BODY, "max_tokens": 150}
+                body = {**BODY, "max_tokens": 1500}
                 streams = [asyncio.create_task(_stream(client, body)) for _ in range(8)]
-                while srv.metric("pagellm:num_requests_running") < 8:
-                    await asyncio.sleep(0.05)
+                await asyncio.to_thread(srv.wait_running, 8)
                 os.kill(pids[1], signal.SIGKILL)
                 await asyncio.sleep(0.5)
                 during = httpx.get(srv.url + "/health")
@@ -143,7 +148,7 @@ def test_data_parallel_kill_of_one_rank_leaves_the_other_serving(tiny_model) -> 
         failed = [r for r in results if r["error"] is not None]
         # the balancer put 4 on each rank: rank 0's finish whole, rank 1's fail
         assert len(completed) == 4 and len(failed) == 4
-        assert all(r["tokens"] == 150 and r["done"] for r in completed)
+        assert all(r["tokens"] == 1500 and r["done"] for r in completed)
         assert all(r["error"]["code"] == 503 and r["done"] for r in failed)
         assert srv.metric('pagellm:request_success_total{engine="0",finished_reason="length"') == 4
         _wait_healthy(srv, within=30)
@@ -159,15 +164,14 @@ def test_data_parallel_kill_of_one_rank_leaves_the_other_serving(tiny_model) -> 
 
 
 def test_without_the_flag_a_dead_engine_ends_the_server_with_status_1(tiny_model) -> None:
-    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "256")
+    srv = ServerProcess("--model", _long_model(tiny_model), "--max-model-len", "2048")
     try:
         (pid,) = _engine_pids(srv).values()
 
         async def load_and_kill() -> list[dict]:
             async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
-                streams = [asyncio.create_task(_stream(client, {**BODY, "max_tokens": 200})) for _ in range(2)]
-                while srv.metric("pagellm:num_requests_running") < 2:
-                    await asyncio.sleep(0.05)
+                streams = [asyncio.create_task(_stream(client, {**BODY, "max_tokens": 2000})) for _ in range(2)]
+                await asyncio.to_thread(srv.wait_running, 2)
                 os.kill(pid, signal.SIGKILL)
                 return await asyncio.gather(*streams)
 

@@ -88,8 +88,7 @@ def test_a_stop_signal_to_the_whole_group_drains(model, tmp_path, sig) -> None:
 
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(stream) for _ in range(4)]
-            while srv.metric("pagellm:num_requests_running") < 4:
-                time.sleep(0.05)
+            srv.wait_running(4)
             os.killpg(srv.proc.pid, sig)
             for p in engines:  # as systemd's control-group stop reaches every process
                 p.send_signal(sig)
