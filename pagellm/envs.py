@@ -98,6 +98,11 @@ _VARS = {
     "PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE": lambda: _int("PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE", 5),
     # Seconds the client waits for an engine core to report ready.
     "PAGELLM_ENGINE_READY_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_READY_TIMEOUT_S", 600.0),
+    # Seconds an engine core may go with work waiting and no progress (no step finished,
+    # no model layer run) or without a heartbeat before the frontend treats it as hung
+    # (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S); 0: no watchdog. The engine argument
+    # engine_iteration_timeout_s, when given, replaces it.
+    "PAGELLM_ENGINE_ITERATION_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_ITERATION_TIMEOUT_S", 60.0),
     # Where converted tokenizers and other caches live.
     "PAGELLM_CACHE_DIR": lambda: os.environ.get(
         "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")

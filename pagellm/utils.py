@@ -38,3 +38,23 @@ def libc_madvise() -> Callable[[int, int, int], int] | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+class Progress:
+    """Work this process has done: engine steps and model layers run. An engine core's
+    heartbeat reads the count, so its frontend can tell a long step (the count moves, a
+    layer at a time) from a hung one (it stands still). `paused` is above 0 while work
+    that cannot count runs (torch.compile building the model's code)."""
+
+    __slots__ = ("count", "paused")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.paused = 0
+
+    def tick(self) -> None:
+        self.count += 1
+
+
+PROGRESS = Progress()
+"""This process's one Progress."""

@@ -174,6 +174,9 @@ class ParallelConfig:
     restart_engine_on_failure: bool = False
     """The async client starts a new engine-core process (same config, same rank) when one
     dies, instead of failing every later request."""
+    engine_iteration_timeout_s: float = 60.0
+    """Seconds an engine core may go with work and no progress (or no heartbeat at all)
+    before its client treats it as hung: kills it and handles it as a death. 0: never."""
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,19 @@ import zmq
 from pagellm.core import serial
 from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import (
+    ENGINE_CORE_DEAD,
     HANDSHAKE_FAILED,
+    HEARTBEAT_INTERVAL_S,
     EngineCoreOutputs,
     EngineCoreRequestType,
     UtilityOutput,
     engine_dead_frame,
     engine_identity,
+    heartbeat_frame,
 )
 from pagellm.engine.prestart import ENGINE_STOP_SIGNAL
 from pagellm.logger import init_logger
+from pagellm.utils import PROGRESS
 
 logger = init_logger(__name__)
 
@@ -50,6 +54,7 @@ class EngineCoreProc:
         self._threads = [
             threading.Thread(target=self._input_loop, args=(input_address,), daemon=True),
             threading.Thread(target=self._output_loop, args=(output_address,), daemon=True),
+            threading.Thread(target=self._heartbeat_loop, daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -95,11 +100,22 @@ class EngineCoreProc:
         sock.connect(address)
         while True:
             item = self.output_queue.get()
-            if isinstance(item, bytes):  # the dead frame: the last thing this core sends
-                sock.send(item)
+            if not isinstance(item, bytes):
+                sock.send(serial.encode(item), copy=False)
+                continue
+            sock.send(item)  # a heartbeat or the dead frame, the last thing this core sends
+            if item.startswith(ENGINE_CORE_DEAD):
                 time.sleep(0.1)
                 return
-            sock.send(serial.encode(item), copy=False)
+
+    def _heartbeat_loop(self) -> None:
+        """Tells the frontend, every HEARTBEAT_INTERVAL_S, how far this core has got and
+        whether it has work: a stopped or frozen process sends nothing, a stuck busy loop
+        sends a count that stands still."""
+        while True:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            busy = (self.engine.has_work() or not self.input_queue.empty()) and not PROGRESS.paused
+            self.output_queue.put(heartbeat_frame(self.rank, PROGRESS.count, busy))
 
     # -- busy loop -------------------------------------------------------------------
 
@@ -109,6 +125,7 @@ class EngineCoreProc:
             if self.shutdown_requested:
                 break
             outputs, _ = self.engine.step()
+            PROGRESS.tick()
             for out in outputs.values():
                 out.engine_index = self.rank  # the DP client balances on per-engine counts
                 self.output_queue.put(out)

@@ -8,6 +8,7 @@ defined elsewhere is LogprobsLists (pagellm/outputs.py), which the model runner 
 from __future__ import annotations
 
 import enum
+import struct
 import time
 from typing import Any
 
@@ -137,6 +138,26 @@ def parse_engine_dead_frame(frame: bytes) -> tuple[int, str] | None:
         return None
     rest = frame[len(ENGINE_CORE_DEAD):]
     return rank_of_identity(rest[:2]), rest[2:].decode(errors="replace")
+
+
+ENGINE_CORE_BEAT = b"ENGINE_CORE_BEAT"
+
+HEARTBEAT_INTERVAL_S = 0.25
+"""How often an engine core sends a heartbeat frame (with or without work)."""
+
+
+def heartbeat_frame(rank: int, progress: int, busy: bool) -> bytes:
+    """An engine core's sign of life: its progress count (steps and model layers run) and
+    whether it has work (requests, or inputs not yet read); the frontend's watchdog
+    reads them."""
+    return ENGINE_CORE_BEAT + engine_identity(rank) + struct.pack("<QB", progress, busy)
+
+
+def parse_heartbeat_frame(frame: bytes) -> tuple[int, int, bool]:
+    """(rank, progress, busy) of a heartbeat frame."""
+    rest = frame[len(ENGINE_CORE_BEAT):]
+    progress, busy = struct.unpack("<QB", rest[2:])
+    return rank_of_identity(rest[:2]), progress, bool(busy)
 
 
 def engine_identity(rank: int) -> bytes:

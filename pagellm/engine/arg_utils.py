@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any, get_args, get_origin
 
+from pagellm import envs
 from pagellm.attention import available_attn_backends
 from pagellm.config import (
     AttentionConfig,
@@ -146,6 +148,12 @@ class EngineArgs:
     model), fail its in-flight requests with 503, start a new one with the same config and
     serve again (/health is 503 meanwhile; with data parallelism only the dead rank restarts).
     Without it the server logs the cause and exits with status 1, for a supervisor to restart."""
+    engine_iteration_timeout_s: float | None = None
+    """Seconds an engine core may have work and make no progress (no step finished, no
+    model layer run; a long prefill step still moves a layer at a time) or send no
+    heartbeat (stopped, frozen) before it counts as hung: it is killed and handled as a
+    death (503 for its requests; a restart with --restart-engine-on-failure, else the
+    server exits 1). None: PAGELLM_ENGINE_ITERATION_TIMEOUT_S (default 60); 0: no watchdog."""
     tensor_parallel_size: int = 1
     """Tensor parallelism (only 1 is supported)."""
     quantization: str | None = None
@@ -336,6 +344,7 @@ class EngineArgs:
                 data_parallel_rank=self.data_parallel_rank,
                 data_parallel_external_lb=self.data_parallel_external_lb,
                 restart_engine_on_failure=self.restart_engine_on_failure,
+                engine_iteration_timeout_s=self._iteration_timeout(),
             ),
             device_config=DeviceConfig(device=device),
             compilation_config=compilation,
@@ -347,6 +356,22 @@ class EngineArgs:
             ),
             speculative_config=self._resolve_speculative(model_config),
         )
+
+    def _iteration_timeout(self) -> float:
+        """engine_iteration_timeout_s, else the environment's; checked: 0 or at least 1 s
+        (four heartbeats)."""
+        if self.engine_iteration_timeout_s is not None:
+            value, name = self.engine_iteration_timeout_s, "engine_iteration_timeout_s"
+        else:
+            name = "PAGELLM_ENGINE_ITERATION_TIMEOUT_S"
+            try:
+                value = envs.PAGELLM_ENGINE_ITERATION_TIMEOUT_S
+            except ValueError:
+                raise ValueError(f"{name} must be a number of seconds, got "
+                                 f"{os.environ.get(name)!r}.") from None
+        if not isinstance(value, (int, float)) or math.isnan(value) or (value != 0 and not 1 <= value < math.inf):
+            raise ValueError(f"{name} must be 0 (no watchdog) or at least 1 second, got {value!r}.")
+        return float(value)
 
     def _resolve_speculative(self, model_config: ModelConfig) -> SpeculativeConfig | None:
         spec = self.speculative_config
@@ -400,6 +425,7 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        self._iteration_timeout()
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
         from pagellm.model_executor.layers.quantization import check_gguf_activations

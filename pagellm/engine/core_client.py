@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,7 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core import serial
 from pagellm.core.protocol import (
+    ENGINE_CORE_BEAT,
     ENGINE_CORE_DEAD,
     HANDSHAKE_FAILED,
     EngineCoreOutputs,
@@ -41,6 +42,7 @@ from pagellm.core.protocol import (
     EngineCoreRequestType,
     engine_identity,
     parse_engine_dead_frame,
+    parse_heartbeat_frame,
     rank_of_identity,
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
@@ -159,6 +161,8 @@ class _BackgroundResources:
     tmpdir: str | None = None
     engine_dead: bool = False
     shutdown_event: threading.Event = field(default_factory=threading.Event)
+    hung_pids: set[int] = field(default_factory=set)
+    """Processes the watchdog killed (it reported them; the monitor stays quiet)."""
 
     def __call__(self) -> None:
         self.shutdown_event.set()
@@ -252,6 +256,69 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+class HangWatch:
+    """The frontend's watchdog over its engine cores' heartbeats. A core is hung when it
+    has sent no heartbeat for `timeout` seconds (stopped, frozen, or stuck holding the
+    GIL), or when its heartbeats say it has work while its progress count (steps finished
+    and model layers run) has stood still that long (a deadlock, a spinning kernel). A
+    long step is not a hang: its layers move the count. timeout 0: never hung."""
+
+    def __init__(self, timeout: float, ranks: Sequence[int], clock: Callable[[], float] = time.monotonic):
+        self.timeout = timeout
+        self.clock = clock
+        now = clock()
+        self.heard_at = dict.fromkeys(ranks, now)
+        self.progress: dict[int, int | None] = dict.fromkeys(ranks)
+        self.moved_at = dict.fromkeys(ranks, now)  # when the count last moved, or work began
+        self.busy = dict.fromkeys(ranks, False)
+        self.checked_at = now
+
+    def reset(self, rank: int) -> None:
+        """A new process serves `rank` (after a restart): nothing heard from it is old."""
+        now = self.clock()
+        self.heard_at[rank] = self.moved_at[rank] = now
+        self.progress[rank], self.busy[rank] = None, False
+
+    def beat(self, frame: bytes) -> None:
+        rank, progress, busy = parse_heartbeat_frame(frame)
+        if rank not in self.heard_at:
+            return
+        now = self.clock()
+        self.heard_at[rank] = now
+        if progress != self.progress[rank] or not self.busy[rank]:
+            self.moved_at[rank] = now  # idle time is not stalled time
+        self.progress[rank], self.busy[rank] = progress, busy
+
+    def hung(self, ranks: Sequence[int]) -> list[tuple[int, str]]:
+        """(rank, cause) of each of `ranks` that is hung now."""
+        if not self.timeout:
+            return []
+        now = self.clock()
+        if now - self.checked_at > self.timeout / 2:
+            # This process was not listening (its own loop blocked, the machine paused):
+            # the silence is ours; judge from now on.
+            for rank in self.heard_at:
+                self.heard_at[rank] = self.moved_at[rank] = now
+        self.checked_at = now
+        found = []
+        for rank in ranks:
+            if now - self.heard_at[rank] > self.timeout:
+                found.append((rank, f"hung: no heartbeat for {self.timeout:g} s"))
+            elif self.busy[rank] and now - self.moved_at[rank] > self.timeout:
+                found.append((rank, f"hung: no progress for {self.timeout:g} s with work to do"))
+        return found
+
+
+def _kill_hung(res: _BackgroundResources, rank: int, cause: str) -> subprocess.Popen:
+    """Ends a hung engine process (SIGKILL ends a stopped one too), said once in the log."""
+    proc = res.procs[rank]
+    res.hung_pids.add(proc.pid)
+    logger.error("Engine core %d (pid %d) is %s; killing it.", rank, proc.pid, cause)
+    if proc.poll() is None:
+        proc.kill()
+    return proc
+
+
 class MPClient(EngineCoreClient):
     """Starts engine processes for `ranks` and holds the sockets; subclasses add IO."""
 
@@ -293,6 +360,7 @@ class MPClient(EngineCoreClient):
             res.procs = dict(zip(self.ranks, _launch_engines(self.config, self.ranks, self.input_addr, self.output_addr)))
         self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, res.procs))
         self.identities = {rank: engine_identity(rank) for rank in self.ranks}
+        self.watch = HangWatch(self.config.parallel_config.engine_iteration_timeout_s, self.ranks)
         self._start_monitor()
 
     def _start_monitor(self) -> None:
@@ -303,7 +371,8 @@ class MPClient(EngineCoreClient):
             reported: set[int] = set()
             while not res.shutdown_event.is_set():
                 for rank, proc in list(res.procs.items()):
-                    if proc.pid in reported or proc.poll() is None or res.shutdown_event.is_set():
+                    if (proc.pid in reported or proc.pid in res.hung_pids or proc.poll() is None
+                            or res.shutdown_event.is_set()):
                         continue
                     reported.add(proc.pid)
                     cause = describe_exit(proc.returncode)
@@ -360,7 +429,7 @@ class SyncMPClient(MPClient):
         self._lock = threading.Lock()
         super().__init__(config, [0], asyncio_mode=False)
         # The thread gets locals only, so the client can still be garbage-collected.
-        args = (self.resources, self.output_socket, self.outputs_queue, self.utility_results)
+        args = (self.resources, self.output_socket, self.outputs_queue, self.utility_results, self.watch)
         threading.Thread(target=_sync_output_loop, args=args, daemon=True, name="EngineOutputs").start()
 
     def _on_engine_dead(self) -> None:
@@ -394,15 +463,24 @@ class SyncMPClient(MPClient):
         return fut.result()
 
 
-def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Queue, utility: dict) -> None:
+def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Queue, utility: dict,
+                      watch: HangWatch) -> None:
     while not res.shutdown_event.is_set():
+        for rank, cause in watch.hung(list(res.procs)):
+            _kill_hung(res, rank, cause)
+            res.engine_dead = True
+            outq.put(EngineDeadError(f"Engine core {rank} was {cause} and has been killed."))
+            for fut in utility.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError())
+            return
         try:
             if not sock.poll(100):
                 continue
             frame = sock.recv(copy=False)
         except zmq.ZMQError:
             return
-        outputs = _decode_frame(frame, utility)
+        outputs = _decode_frame(frame, utility, watch)
         if isinstance(outputs, EngineFailure):
             logger.error("Engine core %d failed: %s", outputs.rank, outputs.cause)
             res.engine_dead = True
@@ -422,11 +500,15 @@ class EngineFailure:
     request_ids: list[str] = field(default_factory=list)
 
 
-def _decode_frame(frame: Any, utility: dict) -> EngineCoreOutputs | EngineFailure | None:
+def _decode_frame(frame: Any, utility: dict, watch: HangWatch) -> EngineCoreOutputs | EngineFailure | None:
     """One output frame -> EngineCoreOutputs; an EngineFailure for an engine's dead frame;
-    None for a utility reply, which resolves its future here."""
+    None for a utility reply, which resolves its future here, and for a heartbeat, which
+    goes to the watchdog."""
     buf = frame.buffer
-    if buf[:len(ENGINE_CORE_DEAD)] == ENGINE_CORE_DEAD:  # a look at the prefix, no copy of the frame
+    if buf[:len(ENGINE_CORE_BEAT)] == ENGINE_CORE_BEAT:  # a look at the prefix, no copy of the frame
+        watch.beat(bytes(buf))
+        return None
+    if buf[:len(ENGINE_CORE_DEAD)] == ENGINE_CORE_DEAD:
         rank, cause = parse_engine_dead_frame(bytes(buf))  # type: ignore[misc]
         return EngineFailure(rank, cause)
     outputs = serial.outputs_decoder.decode(buf)
@@ -466,6 +548,7 @@ class AsyncMPClient(MPClient):
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self.restart_on_failure = config.parallel_config.restart_engine_on_failure
         self.reqs_in_flight: dict[str, int] = {}  # request id -> rank
         self.in_flight_counts: dict[int, int] = dict.fromkeys(ranks, 0)
@@ -482,6 +565,7 @@ class AsyncMPClient(MPClient):
         self._loop = asyncio.get_running_loop()
         self.outputs_queue = asyncio.Queue()
         self._output_task = self._loop.create_task(self._output_loop())
+        self._watch_task = self._loop.create_task(self._watch_loop())
         if self.resources.engine_dead:
             self._on_engine_dead()
         for failure in self._early_failures:
@@ -498,7 +582,7 @@ class AsyncMPClient(MPClient):
         res, sock, outq = self.resources, self.output_socket, self.outputs_queue
         while True:
             frame = await sock.recv(copy=False)
-            outputs = _decode_frame(frame, self.utility_results)
+            outputs = _decode_frame(frame, self.utility_results, self.watch)
             if isinstance(outputs, EngineFailure):
                 logger.error("Engine core %d failed: %s", outputs.rank, outputs.cause)
                 if self.restart_on_failure and not res.engine_dead:
@@ -511,6 +595,21 @@ class AsyncMPClient(MPClient):
                 continue
             self._on_outputs(outputs)
             outq.put_nowait(outputs)
+
+    async def _watch_loop(self) -> None:
+        """The watchdog: a hung rank is killed, then handled as a death (restarted with
+        restart_engine_on_failure, else the whole engine is dead)."""
+        res = self.resources
+        while not (res.engine_dead or res.shutdown_event.is_set()):
+            await asyncio.sleep(0.25)
+            for rank, cause in self.watch.hung([r for r in self.ranks if r not in self.restarting]):
+                proc = _kill_hung(res, rank, cause)
+                if self.restart_on_failure:
+                    self._rank_died(rank, proc, cause)
+                    continue
+                res.engine_dead = True
+                self._on_engine_dead()
+                return
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         for req_id in outputs.finished_requests or ():
@@ -580,6 +679,7 @@ class AsyncMPClient(MPClient):
                     proc.kill()
                 await asyncio.sleep(min(2.0**attempt, 10.0))
                 continue
+            self.watch.reset(rank)
             self.restarting.discard(rank)
             logger.info("Engine core %d restarted (pid %d) in %.1f s; restarts of this rank: %d.",
                         rank, proc.pid, time.monotonic() - started, self.num_restarts[rank])
@@ -693,7 +793,7 @@ class AsyncMPClient(MPClient):
         return await fut
 
     def shutdown(self) -> None:
-        for task in [self._output_task, *self._restart_tasks]:
+        for task in [self._output_task, self._watch_task, *self._restart_tasks]:
             if task is not None and not task.done():
                 try:
                     task.cancel()

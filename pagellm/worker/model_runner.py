@@ -7,6 +7,7 @@ scheduling policy.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -33,13 +34,30 @@ from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
 from pagellm.sampling_params import ALL_LOGPROBS
 from pagellm.scheduler_output import SchedulerOutput
 from pagellm.spec_decode import MAX_STEP_ROWS
-from pagellm.utils import cdiv
+from pagellm.utils import PROGRESS, cdiv
 from pagellm.worker.huge_pages import KVHugePages
 from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
 
 _CPU_KV_CAP_BYTES = 4 << 30
+
+
+@functools.cache
+def _pause_progress_while_compiling() -> None:
+    """torch.compile builds the model's code inside the first steps that meet a new shape
+    (minutes for a large model), when no layer runs to count: PROGRESS is paused
+    meanwhile, so the frontend's watchdog does not take a compile for a hang."""
+    from torch._dynamo.callback import callback_handler
+
+    def start(*_: object) -> None:
+        PROGRESS.paused += 1
+
+    def end(*_: object) -> None:
+        PROGRESS.paused -= 1
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
 
 
 class ModelRunner:
@@ -83,6 +101,7 @@ class ModelRunner:
         self.model.eval()
         self._forward = self.model.forward
         if self.config.compilation_config.mode >= 1:
+            _pause_progress_while_compiling()
             self._forward = torch.compile(
                 self.model.forward, backend=self.config.compilation_config.backend, dynamic=True
             )

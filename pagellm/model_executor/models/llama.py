@@ -29,6 +29,7 @@ from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
 from pagellm.model_executor.models.fused_decode import FusedDecodeStack, FusedLayer
 from pagellm.model_executor.weight_utils import GGUFFamily
+from pagellm.utils import PROGRESS
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
 # projection are copied into one part of the fused weight. A tensor named for the fused
@@ -258,6 +259,7 @@ class LlamaModel(nn.Module):
             residual: torch.Tensor | None = None
             for layer, rope in zip(self.layers, ropes):
                 hidden, residual = layer.forward(rope, hidden, residual)
+                PROGRESS.tick()  # a long prefill step shows progress a layer at a time
         hidden, _ = self.norm.forward(hidden, residual)
         return hidden
 

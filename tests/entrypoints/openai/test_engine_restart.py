@@ -15,6 +15,7 @@ import time
 import httpx
 import psutil
 
+from pagellm.core.protocol import HEARTBEAT_INTERVAL_S
 from tests.entrypoints.openai.conftest import ServerProcess
 
 BODY = {"prompt": "Hello there", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
@@ -176,6 +177,70 @@ def test_without_the_flag_a_dead_engine_ends_the_server_with_status_1(tiny_model
                 return await asyncio.gather(*streams)
 
         for res in asyncio.run(load_and_kill()):
+            assert res["error"]["code"] == 503 and res["done"]
+        assert srv.proc.wait(timeout=30) == 1
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        srv.stop()
+
+
+def test_a_stopped_engine_core_is_found_hung_killed_and_restarted(tiny_model) -> None:
+    """SIGSTOP: the process neither dies nor sends a heartbeat. With a 3 s timeout the
+    watchdog kills it, its streams end with the 503 event, /health reports the restart,
+    and a new process serves."""
+    srv = ServerProcess("--model", _long_model(tiny_model), "--max-model-len", "2048", "--restart-engine-on-failure",
+                        "--engine-iteration-timeout-s", "3")
+    try:
+        (old_pid,) = _engine_pids(srv).values()
+
+        async def load_and_stop() -> tuple[list[dict], float, dict]:
+            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
+                streams = [asyncio.create_task(_stream(client, {**BODY, "max_tokens": 2000})) for _ in range(4)]
+                await asyncio.to_thread(srv.wait_running, 4)
+                stopped_at = time.monotonic()
+                os.kill(old_pid, signal.SIGSTOP)
+                await asyncio.sleep(1)
+                before = httpx.get(srv.url + "/health")  # stopped, not yet found hung
+                results = await asyncio.gather(*streams)
+                return results, stopped_at, {"status": before.status_code, "body": before.content}
+
+        results, stopped_at, before = asyncio.run(load_and_stop())
+        assert before == {"status": 200, "body": b""}
+        for res in results:
+            assert res["done"] and res["tokens"] is None
+            assert res["error"]["code"] == 503
+            assert res["error"]["message"].startswith(
+                "The engine core serving this request died (hung: no heartbeat for 3 s) and is restarting")
+            assert 3 - HEARTBEAT_INTERVAL_S < res["error_at"] - stopped_at < 3 + 5  # from the last heartbeat
+        health = httpx.get(srv.url + "/health")
+        if health.status_code == 503:  # the new core may already serve
+            assert health.json()["error"]["message"] == "Engine core(s) [0] restarting after a failure."
+        _wait_healthy(srv, within=30)
+        assert not psutil.pid_exists(old_pid) or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+        (new_pid,) = _engine_pids(srv).values()
+        assert new_pid != old_pid
+        assert srv.metric("pagellm:engine_restarts_total") == 1
+        r = httpx.post(srv.url + "/v1/completions", json=BODY, headers=_auth(srv), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+
+
+def test_without_the_flag_a_stopped_engine_core_is_killed_and_the_server_exits_1(tiny_model) -> None:
+    srv = ServerProcess("--model", _long_model(tiny_model), "--max-model-len", "2048",
+                        "--engine-iteration-timeout-s", "2")
+    try:
+        (pid,) = _engine_pids(srv).values()
+
+        async def load_and_stop() -> list[dict]:
+            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
+                streams = [asyncio.create_task(_stream(client, {**BODY, "max_tokens": 2000})) for _ in range(2)]
+                await asyncio.to_thread(srv.wait_running, 2)
+                os.kill(pid, signal.SIGSTOP)
+                return await asyncio.gather(*streams)
+
+        for res in asyncio.run(load_and_stop()):
             assert res["error"]["code"] == 503 and res["done"]
         assert srv.proc.wait(timeout=30) == 1
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
