@@ -103,6 +103,14 @@ _VARS = {
     # (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S); 0: no watchdog. The engine argument
     # engine_iteration_timeout_s, when given, replaces it.
     "PAGELLM_ENGINE_ITERATION_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_ITERATION_TIMEOUT_S", 60.0),
+    # SO_SNDBUF of the server's connections (bytes; Linux doubles it): what a client that
+    # stops reading can leave in the kernel before its stream blocks. 0: the kernel's
+    # autotuning (up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).
+    "PAGELLM_HTTP_SEND_BUFFER_BYTES": lambda: _int("PAGELLM_HTTP_SEND_BUFFER_BYTES", 131072),
+    # Tokens a streamed request may hold waiting for its consumer (an HTTP client that
+    # reads slowly or not at all) before it is aborted in the engine, its KV freed, and
+    # its stream ended with an error; 0: no limit.
+    "PAGELLM_STREAM_BUFFER_TOKENS": lambda: _int("PAGELLM_STREAM_BUFFER_TOKENS", 1024),
     # Where converted tokenizers and other caches live.
     "PAGELLM_CACHE_DIR": lambda: os.environ.get(
         "PAGELLM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "pagellm")

@@ -17,7 +17,12 @@ from pagellm.config import EngineConfig
 from pagellm.core.protocol import EngineCoreRequest
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient, EngineFailure
-from pagellm.engine.exceptions import EngineDeadError, EngineGenerateError, EngineRestartingError
+from pagellm.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineRestartingError,
+    StreamTooSlowError,
+)
 from pagellm.engine.llm_engine import apply_ready_response, fan_out, start_frontend_and_core
 from pagellm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagellm.inputs import PromptType
@@ -34,7 +39,8 @@ class AsyncLLM:
         self.tokenizer, self.input_processor, self.engine_core = start_frontend_and_core(
             config, lambda: EngineCoreClient.make_client(True, True, config)
         )
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats,
+                                                stream_buffer_tokens=envs.PAGELLM_STREAM_BUFFER_TOKENS)
         self.config = apply_ready_response(config, self.engine_core)
         self.model_config = self.config.model_config
         self.log_stats = log_stats
@@ -145,7 +151,7 @@ class AsyncLLM:
             if collector is not None:
                 await self.abort(request_id)
             raise
-        except (EngineDeadError, ValueError):
+        except (EngineDeadError, ValueError, StreamTooSlowError):
             raise
         except Exception as e:
             await self.abort(request_id)

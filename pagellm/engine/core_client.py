@@ -467,7 +467,10 @@ def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Q
                       watch: HangWatch) -> None:
     while not res.shutdown_event.is_set():
         for rank, cause in watch.hung(list(res.procs)):
-            _kill_hung(res, rank, cause)
+            try:
+                _kill_hung(res, rank, cause).wait(timeout=5)  # gone before the caller hears
+            except subprocess.TimeoutExpired:
+                pass
             res.engine_dead = True
             outq.put(EngineDeadError(f"Engine core {rank} was {cause} and has been killed."))
             for fut in utility.values():

@@ -5,6 +5,7 @@ EngineRestartingError: an engine-core process died and is being restarted
     (restart_engine_on_failure); its requests are lost, later ones may succeed.
 EngineGenerateError: one generate() call failed; the engine itself is still fine.
 EngineStartupError: the engine core did not start (its error is in the message).
+StreamTooSlowError: a stream's consumer fell too far behind; the request was aborted.
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ class EngineRestartingError(EngineDeadError):
 
 class EngineStartupError(RuntimeError):
     """The engine-core process failed to start; the message carries its error."""
+
+
+class StreamTooSlowError(Exception):
+    """A streamed request's consumer (an HTTP client that stopped reading) left more than
+    PAGELLM_STREAM_BUFFER_TOKENS tokens waiting: the request was aborted in the engine."""

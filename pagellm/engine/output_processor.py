@@ -19,6 +19,8 @@ from pagellm.core.protocol import (
     FinishReason,
 )
 from pagellm.engine.detokenizer import IncrementalDetokenizer, convert_logprobs
+from pagellm.engine.exceptions import StreamTooSlowError
+from pagellm.logger import init_logger
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from pagellm.outputs import (
     CompletionOutput,
@@ -32,18 +34,23 @@ from pagellm.outputs import (
 )
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
+logger = init_logger(__name__)
+
 
 class RequestOutputCollector:
     """A one-slot mailbox between the output handler (producer) and generate() (consumer).
 
     Put and get run on the same event loop thread. If the consumer lags, DELTA outputs
-    are merged into the waiting one; other kinds replace per completion index.
+    are merged into the waiting one (`pending_tokens` counts them); other kinds replace
+    per completion index.
     """
 
     def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
         self.request_id = request_id
         self.aggregate = output_kind == RequestOutputKind.DELTA
         self.output: RequestOutput | Exception | None = None
+        self.pending_tokens = 0
+        """Tokens in the waiting output (DELTA: what the consumer has not taken yet)."""
         # Created lazily so the collector can be built outside a running loop.
         self._ready: asyncio.Event | None = None
 
@@ -54,6 +61,8 @@ class RequestOutputCollector:
         return self._ready
 
     def put(self, output: RequestOutput | Exception) -> None:
+        if isinstance(output, RequestOutput):
+            self.pending_tokens += sum(len(c.token_ids) for c in output.outputs)
         if self.output is None or isinstance(output, Exception):
             self.output = output
             self.ready.set()
@@ -71,6 +80,7 @@ class RequestOutputCollector:
 
     def _take(self) -> RequestOutput:
         output, self.output = self.output, None
+        self.pending_tokens = 0
         self.ready.clear()
         if isinstance(output, Exception):
             raise output
@@ -309,9 +319,12 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Turns each step's EngineCoreOutputs into RequestOutputs, for every live request."""
 
-    def __init__(self, tokenizer: Any, log_stats: bool) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool, stream_buffer_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        self.stream_buffer_tokens = stream_buffer_tokens
+        """A DELTA stream's consumer may leave this many tokens waiting; past it the
+        request fails with StreamTooSlowError (its ids go to reqs_to_abort). 0: no limit."""
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
@@ -390,11 +403,32 @@ class OutputProcessor:
         if request_output is not None:
             if req_state.collector is not None:
                 req_state.collector.put(request_output)
+                if self._too_far_behind(req_state, finish_reason is not None, result):
+                    return
             else:
                 result.request_outputs.append(request_output)
         if finish_reason is not None:
             self._finish_request(req_state)
             _record_finished(req_state, finish_reason, now, iteration_stats)
+
+    def _too_far_behind(self, req_state: RequestState, finished: bool, result: OutputProcessorOutput) -> bool:
+        """A stream whose consumer has left more than stream_buffer_tokens waiting (a
+        client that stopped reading): the request fails, its tokens are dropped, and the
+        engine aborts it (every child of an n > 1 request)."""
+        collector = req_state.collector
+        assert collector is not None
+        limit = self.stream_buffer_tokens
+        if not limit or finished or not collector.aggregate or collector.pending_tokens <= limit:
+            return False
+        request_id = req_state.parent_req.request_id if req_state.parent_req else req_state.request_id
+        logger.warning("Request %s aborted: its stream's reader fell %d tokens behind (limit %d, "
+                       "PAGELLM_STREAM_BUFFER_TOKENS).", request_id, collector.pending_tokens, limit)
+        error = StreamTooSlowError(
+            f"The stream was read too slowly: {collector.pending_tokens} tokens were waiting to be sent "
+            f"(limit {limit}); the request was aborted.")
+        result.reqs_to_abort.append(req_state.request_id)
+        result.reqs_to_abort.extend(self.fail_requests([req_state.request_id], error))
+        return True
 
     def _process_pooling(
         self,

@@ -123,7 +123,7 @@ def test_llm_with_a_stopped_engine_core_raises_engine_dead_and_kills_it() -> Non
             llm.generate(["Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
         assert str(e.value) == "Engine core 0 was hung: no heartbeat for 1 s and has been killed."
         assert time.monotonic() - start < 1 + 5
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert not psutil.pid_exists(pid)  # killed and reaped before the error was raised
     finally:
         if psutil.pid_exists(pid):
             os.kill(pid, signal.SIGKILL)

@@ -455,6 +455,11 @@ def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if envs.PAGELLM_HTTP_SEND_BUFFER_BYTES > 0:
+        # Connections inherit it: a client that stops reading fills this much kernel
+        # buffer (Linux doubles it), then blocks its stream's writer, and the stream's
+        # own bound (PAGELLM_STREAM_BUFFER_TOKENS) ends the request.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, envs.PAGELLM_HTTP_SEND_BUFFER_BYTES)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -10,7 +10,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError
+from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, StreamTooSlowError
 from pagellm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -37,6 +37,7 @@ class OpenAIError(Exception):
             HTTPStatus.UNAUTHORIZED: "AuthenticationError",
             HTTPStatus.NOT_FOUND: "NotFoundError",
             HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+            HTTPStatus.REQUEST_TIMEOUT: "RequestTimeoutError",
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
             HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
         }.get(status, "InternalServerError")
@@ -274,6 +275,8 @@ def as_openai_error(e: BaseException) -> OpenAIError:
         return OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
     if isinstance(e, EngineDeadError):
         return engine_dead_error()
+    if isinstance(e, StreamTooSlowError):  # the client stopped reading; the request is aborted
+        return OpenAIError(str(e), HTTPStatus.REQUEST_TIMEOUT)
     if isinstance(e, ValueError):  # the request's fault; a TypeError is ours (500)
         return OpenAIError(str(e))
     return OpenAIError(f"Internal error: {type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)

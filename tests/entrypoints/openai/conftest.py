@@ -61,7 +61,11 @@ class ServerProcess:
         all have finished before it looked (asserting beats looping forever)."""
         deadline = time.monotonic() + within
         while (running := self.metric("pagellm:num_requests_running")) < n:
-            assert time.monotonic() < deadline, f"{running:g} of {n} requests running after {within} s"
+            if time.monotonic() > deadline:
+                waiting = self.metric("pagellm:num_requests_waiting")
+                finished = self.metric("pagellm:request_success_total")
+                raise AssertionError(f"{running:g} of {n} requests running after {within} s "
+                                     f"({waiting:g} waiting, {finished:g} finished)")
             time.sleep(0.05)
 
     def stop(self) -> None:
