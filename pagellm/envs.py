@@ -20,12 +20,22 @@ def _bool(name: str, default: bool) -> bool:
 
 def _int(name: str, default: int) -> int:
     value = os.environ.get(name)
-    return default if value is None or value == "" else int(value)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}.") from None
 
 
 def _float(name: str, default: float) -> float:
     value = os.environ.get(name)
-    return default if value is None or value == "" else float(value)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}.") from None
 
 
 # OpenMP's wait policy, chosen for a machine shared with other programs (a laptop with a

@@ -329,6 +329,7 @@ def run_server(args: Any) -> int:
 
     chat_template = load_chat_template(args.chat_template)
     _check_tool_flags(args)
+    _check_server_envs()
     engine_args = EngineArgs.from_cli_args(args)
     _raise_open_file_limit()
     # The port is taken before the model loads: a port in use fails at once, not after
@@ -449,6 +450,13 @@ def _check_tool_flags(args: Any) -> None:
     # --enable-auto-tool-choice alone is vLLM's spelling of what pagellm always does.
     if args.tool_call_parser:
         get_tool_parser(args.tool_call_parser)  # ValueError naming the accepted parsers
+
+
+def _check_server_envs() -> None:
+    """The server's environment knobs, before the model loads (a ValueError names the bad one)."""
+    for name in ("PAGELLM_HTTP_TIMEOUT_KEEP_ALIVE", "PAGELLM_HTTP_SEND_BUFFER_BYTES", "PAGELLM_STREAM_BUFFER_TOKENS"):
+        if (value := getattr(envs, name)) < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}.")
 
 
 def _listen(host: str, port: int) -> socket.socket:

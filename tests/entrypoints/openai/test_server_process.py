@@ -118,6 +118,21 @@ def test_port_in_use_fails_before_the_model_loads(model) -> None:
     assert "Loaded" not in result.stderr  # the model was never loaded
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ({"PAGELLM_STREAM_BUFFER_TOKENS": "lots"}, "PAGELLM_STREAM_BUFFER_TOKENS must be an integer, got 'lots'."),
+    ({"PAGELLM_HTTP_SEND_BUFFER_BYTES": "-1"}, "PAGELLM_HTTP_SEND_BUFFER_BYTES must be >= 0, got -1."),
+    ({"PAGELLM_ENGINE_ITERATION_TIMEOUT_S": "0.2"},
+     "PAGELLM_ENGINE_ITERATION_TIMEOUT_S must be 0 (no watchdog) or at least 1 second, got 0.2."),
+])
+def test_bad_reliability_knobs_fail_before_the_model_loads(model, monkeypatch, env, message) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = _serve(model, "--port", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"pagellm serve: error: {message}"
+    assert "Loaded" not in result.stderr
+
+
 def test_engine_startup_error_is_one_line(model) -> None:
     result = _serve(model, "--num-gpu-blocks-override", "4", "--max-model-len", "512", "--port", "0")
     assert result.returncode == 2
