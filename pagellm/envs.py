@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
 
 
 def _bool(name: str, default: bool) -> bool:
@@ -18,24 +21,22 @@ def _bool(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off", "")
 
 
-def _int(name: str, default: int) -> int:
+def _number(name: str, default: T, kind: type[T], what: str) -> T:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
     try:
-        return int(value)
+        return kind(value)  # type: ignore[call-arg]
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}.") from None
+        raise ValueError(f"{name} must be {what}, got {value!r}.") from None
+
+
+def _int(name: str, default: int) -> int:
+    return _number(name, default, int, "an integer")
 
 
 def _float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {value!r}.") from None
+    return _number(name, default, float, "a number")
 
 
 # OpenMP's wait policy, chosen for a machine shared with other programs (a laptop with a

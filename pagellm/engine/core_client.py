@@ -433,10 +433,7 @@ class SyncMPClient(MPClient):
         threading.Thread(target=_sync_output_loop, args=args, daemon=True, name="EngineOutputs").start()
 
     def _on_engine_dead(self) -> None:
-        self.outputs_queue.put(EngineDeadError())
-        for fut in self.utility_results.values():
-            if not fut.done():
-                fut.set_exception(EngineDeadError())
+        _fail_sync_callers(self.outputs_queue, self.utility_results, EngineDeadError())
 
     def get_output(self) -> EngineCoreOutputs:
         out = self.outputs_queue.get()
@@ -463,6 +460,15 @@ class SyncMPClient(MPClient):
         return fut.result()
 
 
+def _fail_sync_callers(outq: queue.Queue, utility: dict, error: EngineDeadError) -> None:
+    """The sync client's callers learn the engine is dead: the next get_output() and every
+    pending utility call raise."""
+    outq.put(error)
+    for fut in utility.values():
+        if not fut.done():
+            fut.set_exception(EngineDeadError())
+
+
 def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Queue, utility: dict,
                       watch: HangWatch) -> None:
     while not res.shutdown_event.is_set():
@@ -472,10 +478,7 @@ def _sync_output_loop(res: _BackgroundResources, sock: zmq.Socket, outq: queue.Q
             except subprocess.TimeoutExpired:
                 pass
             res.engine_dead = True
-            outq.put(EngineDeadError(f"Engine core {rank} was {cause} and has been killed."))
-            for fut in utility.values():
-                if not fut.done():
-                    fut.set_exception(EngineDeadError())
+            _fail_sync_callers(outq, utility, EngineDeadError(f"Engine core {rank} was {cause} and has been killed."))
             return
         try:
             if not sock.poll(100):
