@@ -83,9 +83,11 @@ def test_x_request_id_is_echoed_sanitized_and_used(busy_server) -> None:
 
 
 def test_sigterm_lets_in_flight_requests_finish(tiny_model) -> None:
-    srv = ServerProcess("--model", tiny_model("llama"), "--max-model-len", "256", "--shutdown-timeout", "30")
+    # 1500-token requests: none may finish before the test has seen all three running
+    srv = ServerProcess("--model", tiny_model("llama", max_position_embeddings=2048), "--max-model-len", "2048",
+                        "--shutdown-timeout", "30")
     children = [c.pid for c in psutil.Process(srv.proc.pid).children(recursive=True)]
-    body = {"prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
@@ -97,7 +99,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model) -> None:
     try:
         responses = asyncio.run(run())
         assert [r.status_code for r in responses] == [200, 200, 200]
-        assert all(r.json()["usage"]["completion_tokens"] == 120 for r in responses)
+        assert all(r.json()["usage"]["completion_tokens"] == 1500 for r in responses)
         assert srv.proc.wait(timeout=60) == 0
         time.sleep(0.5)
         assert not [p for p in children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -70,7 +70,7 @@ def test_a_stop_signal_to_the_whole_group_drains(model, tmp_path, sig) -> None:
     srv = ServerProcess(model, "--max-model-len", "256", "--shutdown-timeout", "60", new_session=True, stderr=log)
     engines = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
                if "engine_core_proc" in " ".join(p.cmdline())]
-    body = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "temperature": 0, "stream": True,
+    body = {"prompt": "Hello", "max_tokens": 250, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
 
     def stream() -> int:
@@ -93,7 +93,7 @@ def test_a_stop_signal_to_the_whole_group_drains(model, tmp_path, sig) -> None:
             os.killpg(srv.proc.pid, sig)
             for p in engines:  # as systemd's control-group stop reaches every process
                 p.send_signal(sig)
-            assert [f.result() for f in futures] == [150] * 4
+            assert [f.result() for f in futures] == [250] * 4
         assert srv.proc.wait(timeout=60) == 0
         psutil.wait_procs(engines, timeout=10)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in engines)
