@@ -98,6 +98,13 @@ class ModelConfig:
         return archs[0]
 
     @property
+    def is_encoder_only(self) -> bool:
+        """An encoder family (BERT): pooling only, whole prompts, no KV cache."""
+        from pagellm.model_executor.registry import ModelRegistry
+
+        return ModelRegistry.is_encoder_only(self.architecture)
+
+    @property
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 

@@ -297,7 +297,7 @@ class EngineArgs:
             model_path=model_path,
             tokenizer=self.tokenizer or model_path,
             dtype=self._resolve_dtype(hf_config, device),
-            max_model_len=self._resolve_max_model_len(hf_config),
+            max_model_len=self._resolve_max_model_len(hf_config, model_path),
             seed=self.seed,
             served_model_name=served_model_names(self.model, model_path, self.served_model_names).served[0],
             hf_config=hf_config,
@@ -305,19 +305,22 @@ class EngineArgs:
             quantization=self._resolve_quantization(model_path, device),
             max_logprobs=self.max_logprobs,
             gguf_activations=resolve_gguf_activations(self.gguf_activations),
-            runner_type=self._resolve_runner(),
+            runner_type=self._resolve_runner(hf_config),
         )
         if model_config.runner_type == "pooling":
             model_config = dataclasses.replace(
                 model_config, pooler_config=loader.load_pooler_config(model_path, self.pooler_config))
         max_len = model_config.max_model_len
+        # an encoder attends over the whole prompt at once: never in chunks
+        chunked = self.enable_chunked_prefill and not model_config.is_encoder_only
         batched = self.max_num_batched_tokens
         if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_len)
-        if not self.enable_chunked_prefill and batched < max_len:
+            batched = 2048 if chunked else max(2048, max_len)
+        if not chunked and batched < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_len}) "
-                "when chunked prefill is disabled."
+                "when chunked prefill is disabled" + (" (an encoder model runs whole prompts)."
+                                                      if model_config.is_encoder_only else ".")
             )
         compilation = self.compilation_config
         if self.enforce_eager:
@@ -336,7 +339,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked,
                 policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(
@@ -379,7 +382,15 @@ class EngineArgs:
             raise ValueError("speculative_config applies to generation; a pooling engine samples no tokens.")
         return spec
 
-    def _resolve_runner(self) -> str:
+    def _resolve_runner(self, hf_config: Any) -> str:
+        from pagellm.model_executor.registry import ModelRegistry
+
+        arch = (getattr(hf_config, "architectures", None) or [""])[0]
+        if ModelRegistry.is_encoder_only(arch):
+            if self.runner == "generate":
+                raise ValueError(f"{arch} is an encoder (an embedding model): it needs runner='pooling' "
+                                 "(or 'auto'), not 'generate'.")
+            return "pooling"
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be one of auto, generate, pooling; got {self.runner!r}.")
         if self.convert not in ("auto", "none", "embed"):
@@ -395,9 +406,11 @@ class EngineArgs:
 
     def _prefix_caching(self, model_config: ModelConfig) -> bool:
         """Mean and CLS pooling read every prompt token's hidden state, which a prefix-cache
-        hit skips; last-token pooling always recomputes the last token, so it keeps it."""
+        hit skips; last-token pooling always recomputes the last token, so it keeps it. An
+        encoder keeps no KV to hit."""
         pooler = model_config.pooler_config
-        return self.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
+        return (self.enable_prefix_caching and not model_config.is_encoder_only
+                and (pooler is None or pooler.pooling_type == "LAST"))
 
     def verify_args(self) -> None:
         """Checks each option on its own (no model needed; the CLI calls this before loading)."""
@@ -495,15 +508,21 @@ class EngineArgs:
 
         return resolve_quantization(self.quantization, model_path, device)
 
-    def _resolve_max_model_len(self, hf_config: Any) -> int:
+    def _resolve_max_model_len(self, hf_config: Any, model_path: str) -> int:
         from pagellm.model_executor.arch_config import context_length
+        from pagellm.model_executor.loader import sentence_transformers_max_len
 
         limit = context_length(hf_config, default=2048)
+        # a sentence-transformers model truncates at its max_seq_length (vLLM's limit too)
+        st_limit = sentence_transformers_max_len(model_path)
+        where = ""
+        if st_limit is not None and st_limit < limit:
+            limit, where = st_limit, " (max_seq_length of sentence_bert_config.json)"
         if self.max_model_len is None:
             return limit
         if self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) is larger than the model's context length ({limit})."
+                f"max_model_len ({self.max_model_len}) is larger than the model's context length ({limit}){where}."
             )
         return self.max_model_len
 

@@ -26,6 +26,15 @@ POOLING_ON_GENERATE = ("This engine runs the model for generation; embeddings ne
                        "offline.")
 
 
+def generate_on_pooling(model_config: ModelConfig) -> str:
+    """The error for a generation request on a pooling engine: an encoder can do nothing
+    else, a decoder run as an embedding model can generate under another engine."""
+    if model_config.is_encoder_only:
+        return (f"This engine runs {model_config.architecture}, an encoder (embedding) model: it returns "
+                "embeddings and cannot generate text.")
+    return GENERATE_ON_POOLING
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -73,7 +82,7 @@ class InputProcessor:
         engine; the other way round is the caller's error, naming the flag."""
         pooling = isinstance(params, PoolingParams)
         if pooling != (self.model_config.runner_type == "pooling"):
-            raise ValueError(POOLING_ON_GENERATE if pooling else GENERATE_ON_POOLING)
+            raise ValueError(POOLING_ON_GENERATE if pooling else generate_on_pooling(self.model_config))
         # Checked here, in the caller: a field of the wrong type would fail only when the
         # engine core decodes the message, far from the request that caused it.
         if not isinstance(priority, int):

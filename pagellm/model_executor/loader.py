@@ -153,6 +153,17 @@ _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens
                      "pooling_mode_cls_token": "CLS"}
 
 
+def sentence_transformers_max_len(path: str) -> int | None:
+    """max_seq_length of a sentence-transformers model directory's sentence_bert_config.json
+    (the tokens its Transformer module keeps), None where absent."""
+    file = os.path.join(path, "sentence_bert_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        value = json.load(f).get("max_seq_length")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def load_pooler_config(path: str, given: PoolerConfig | None) -> PoolerConfig:
     """A pooling engine's pooling type and default normalisation: what the user gave,
     else the model directory's sentence-transformers config (modules.json naming a

@@ -22,6 +22,8 @@ class _Entry(NamedTuple):
     """llama.cpp's `general.architecture` for the family, None: no GGUF support."""
     model_type: str
     """transformers' config `model_type` (what a GGUF-derived config is given)."""
+    encoder_only: bool = False
+    """Bidirectional attention over a whole prompt, no KV cache: embeddings only."""
 
 
 _MODELS: dict[str, _Entry] = {
@@ -37,6 +39,7 @@ _MODELS: dict[str, _Entry] = {
     "Gemma2ForCausalLM": _Entry("gemma", "Gemma2ForCausalLM", "gemma2", "gemma2"),
     "Gemma3ForCausalLM": _Entry("gemma", "Gemma3ForCausalLM", "gemma3", "gemma3_text"),
     "Phi3ForCausalLM": _Entry("phi3", "Phi3ForCausalLM", "phi3", "phi3"),
+    "BertModel": _Entry("bert", "BertModel", None, "bert", encoder_only=True),
 }
 
 
@@ -48,6 +51,11 @@ class ModelRegistry:
     @staticmethod
     def is_supported(arch: str) -> bool:
         return arch in _MODELS
+
+    @staticmethod
+    def is_encoder_only(arch: str) -> bool:
+        """Whether the family is an encoder (pooling only; whole prompts, no KV cache)."""
+        return arch in _MODELS and _MODELS[arch].encoder_only
 
     @staticmethod
     def gguf_architectures() -> dict[str, tuple[str, str]]:

@@ -121,6 +121,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         m = self.model_config
+        if m.is_encoder_only:
+            return 0
         elem = self.kv_dtype.itemsize
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
@@ -128,6 +130,10 @@ class ModelRunner:
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
+        # More blocks than max_num_seqs full-length sequences can never be used.
+        useful = self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size) + 1
+        if self.model_config.is_encoder_only:
+            return useful  # blocks that only count tokens: no memory behind them
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -136,8 +142,6 @@ class ModelRunner:
             budget = int(total * cc.gpu_memory_utilization) - used
         else:
             budget = min(int(psutil.virtual_memory().available * cc.gpu_memory_utilization * 0.5), _CPU_KV_CAP_BYTES)
-        # More blocks than max_num_seqs full-length sequences can never be used.
-        useful = self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size) + 1
         num_blocks = min(budget // self.kv_bytes_per_block(), useful)
         if num_blocks < 2:
             raise ValueError(
@@ -153,7 +157,9 @@ class ModelRunner:
         # a weight of 0 times uninitialised NaN is NaN, so every block is zeroed the first
         # time the scheduler hands it out (see _zero_blocks); block 0 is the padding
         # target of block tables and is zeroed now.
-        self.kv_caches = [
+        # An encoder attends within each step's whole prompts and keeps no KV: its blocks
+        # only count tokens for the scheduler.
+        self.kv_caches = [] if m.is_encoder_only else [
             self.attn_backend.allocate_kv_cache(
                 num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device
             )
@@ -161,7 +167,7 @@ class ModelRunner:
         ]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
         self._huge_pages = None
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.kv_caches:
             self._huge_pages = KVHugePages(
                 [(t.data_ptr(), t.untyped_storage().nbytes()) for kv in self.kv_caches for t in kv],
                 self.kv_caches[0][0].stride(0) * self.kv_caches[0][0].element_size(), num_blocks,
@@ -174,6 +180,10 @@ class ModelRunner:
             max_blocks_per_req=max_blocks,
             vocab_size=m.vocab_size,
         )
+        if not self.kv_caches:
+            logger.info("No KV cache (an encoder): %d blocks of %d tokens count the scheduled tokens",
+                        num_blocks, self.block_size)
+            return
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s)",
             num_blocks,

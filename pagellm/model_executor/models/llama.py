@@ -339,11 +339,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embedding
-            loaded.update(_load_one(self, name, tensor))
+            loaded.update(load_checkpoint_tensor(self, name, tensor))
         return loaded
 
 
-def _load_one(model: nn.Module, name: str, tensor: Any) -> list[str]:
+def load_checkpoint_tensor(model: nn.Module, name: str, tensor: Any) -> list[str]:
     """Load one checkpoint tensor; returns the names it landed in: one, or every part of a
     fused layer for a tensor of the whole layer (the layer splits it: shard None)."""
     module_name, _, param_name = name.rpartition(".")
