@@ -21,6 +21,8 @@ _EXPORTS = {
     "PoolingParams": "pagellm.pooling_params",
     "PoolingRequestOutput": "pagellm.outputs",
     "EmbeddingRequestOutput": "pagellm.outputs",
+    "ScoringRequestOutput": "pagellm.outputs",
+    "ScoringOutput": "pagellm.outputs",
     "EngineArgs": "pagellm.engine.arg_utils",
     "AsyncEngineArgs": "pagellm.engine.arg_utils",
     "LLMEngine": "pagellm.engine.llm_engine",

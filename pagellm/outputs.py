@@ -1,5 +1,6 @@
 """Outputs: what the model runner hands the scheduler each step (ModelRunnerOutput,
-LogprobsLists) and what the user gets (RequestOutput, one CompletionOutput per sample).
+LogprobsLists) and what the user gets (RequestOutput, one CompletionOutput per sample;
+the pooling, embedding and scoring outputs).
 
 The runner's outputs live here, in no package that `core` or `worker` owns, so neither
 imports the other. vLLM splits them into vllm/v1/outputs.py (runner) and vllm/outputs.py
@@ -216,3 +217,26 @@ class EmbeddingRequestOutput:
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
                    output.prompt_token_ids, output.finished, output.prompt)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one text pair (vLLM's ScoringOutput): on an embedding model, the
+    cosine similarity of the two texts' embeddings."""
+
+    score: float
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The output of one pair of LLM.score, vLLM's shape: request_id joins the two
+    embedding requests' ids with '_', prompt_token_ids are the first text's then the
+    second's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

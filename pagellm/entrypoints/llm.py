@@ -1,5 +1,5 @@
 """LLM: the offline API (`LLM(model).generate(prompts, params)`, `.chat(messages)`, and
-on a pooling engine `.embed(prompts)` / `.encode(prompts)`).
+on a pooling engine `.embed(prompts)` / `.encode(prompts)` / `.score(data_1, data_2)`).
 
 A thin shell over LLMEngine: adds every prompt as a FINAL_ONLY request, steps the engine
 until all finish (with a tqdm progress bar) and returns results in input order.
@@ -14,10 +14,18 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.input_processor import POOLING_ON_GENERATE
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints import score_utils
 from pagellm.entrypoints.chat_utils import apply_chat_template
 from pagellm.inputs import PromptType
-from pagellm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagellm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -120,6 +128,41 @@ class LLM:
         outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                               pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The similarity of text pairs on an embedding model, as vLLM scores them: the
+        cosine of the two embeddings. Pairs are 1:1, 1:N (one data_1 text against each
+        of data_2) or N:N; each distinct text is embedded once. truncate_prompt_tokens:
+        keep each text's last k tokens (-1: the context length)."""
+        _no_lora(lora_request)
+        if self.llm_engine.model_config.runner_type != "pooling":
+            raise ValueError(POOLING_ON_GENERATE)
+        # 1. the pairs, and each distinct text's tokens, checked before anything runs
+        pairs = score_utils.score_pairs(score_utils.as_text_list(data_1, "data_1"),
+                                        score_utils.as_text_list(data_2, "data_2"), ("data_1", "data_2"))
+        keep = score_utils.truncation_size(truncate_prompt_tokens, self.llm_engine.model_config.max_model_len)
+        token_ids = score_utils.tokenize_texts(self.get_tokenizer(), [t for pair in pairs for t in pair], keep)
+        # 2. one embedding per distinct text
+        outputs = self.encode([{"prompt_token_ids": ids} for ids in token_ids.values()], pooling_params,
+                              use_tqdm=use_tqdm, pooling_task="embed")
+        embedded = dict(zip(token_ids, outputs))
+        # 3. a score per pair
+        results = []
+        for a, b in pairs:
+            out_1, out_2 = embedded[a], embedded[b]
+            score = score_utils.cosine_similarity(out_1.outputs.data, out_2.outputs.data)
+            results.append(ScoringRequestOutput(f"{out_1.request_id}_{out_2.request_id}", ScoringOutput(score),
+                                                out_1.prompt_token_ids + out_2.prompt_token_ids, True))
+        return results
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

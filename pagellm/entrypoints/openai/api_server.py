@@ -36,6 +36,8 @@ from pagellm.entrypoints.openai.protocol import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -53,6 +55,7 @@ from pagellm.entrypoints.openai.serving_responses import (
     DEFAULT_MAX_STORED_RESPONSES,
     OpenAIServingResponses,
 )
+from pagellm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagellm.entrypoints.ui import mount_ui
 from pagellm.logger import init_logger
 from pagellm.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -161,6 +164,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser or None,
         model_aliases=model_aliases)
     embeddings = OpenAIServingEmbedding(engine, served_model_names, model_aliases=model_aliases)
+    scores = OpenAIServingScore(engine, served_model_names, model_aliases=model_aliases)
     generators = (completions, chat, responses, messages)
     pooling = engine.model_config.runner_type == "pooling"
     app.state.engine = engine
@@ -170,7 +174,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                           sched.max_num_seqs * engine.config.parallel_config.data_parallel_size)
     # Every API route needs the key; /health, /version, /metrics (unless asked) and the
     # pages do not.
-    guarded = ("/tokenize", "/detokenize") + (("/metrics",) if metrics_require_api_key else ())
+    guarded: tuple[str, ...] = ("/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank")
+    guarded += ("/metrics",) if metrics_require_api_key else ()
     # Per-request caps (serving_limits.py); the logprobs cap is the engine's, -1 the vocabulary.
     limits = limits or ServingLimits()
     max_logprobs = engine.model_config.max_logprobs
@@ -253,6 +258,19 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
         return await _cancel_on_disconnect(raw, respond(embeddings, request, raw))
+
+    # vLLM's scoring APIs: /score (pairs) and /rerank (Jina's and Cohere's), each also
+    # under the versioned paths vLLM serves them at.
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(request: ScoreRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(scores, request, raw))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(request: RerankRequest, raw: Request) -> Response:
+        return await _cancel_on_disconnect(raw, respond(scores, request, raw))
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

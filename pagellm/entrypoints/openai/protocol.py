@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagellm.entrypoints.chat_utils import CHAT_ROLES
 from pagellm.logger import init_logger
@@ -427,3 +427,96 @@ class EmbeddingResponse(OpenAIBaseModel):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+# -- /score and /rerank ----------------------------------------------------------------
+
+
+class PoolingTexts(OpenAIBaseModel):
+    """What the server's per-request caps and admission read from a request that embeds
+    texts: one sequence per distinct text (the texts counted as completions' prompts are)."""
+
+    @property
+    def n(self) -> int:
+        return 1
+
+    @property
+    def prompt(self) -> list[str]:
+        return list(dict.fromkeys(self.texts()))
+
+    @property
+    def stop(self) -> None:
+        return None
+
+    def texts(self) -> list[str]:
+        raise NotImplementedError
+
+
+class ScoreRequest(PoolingTexts):
+    """vLLM's score request: text_1 against text_2, 1:1, 1:N or N:N. vLLM's newer names
+    `queries` and `documents` are accepted for them."""
+
+    model: str | None = None
+    text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "queries"))
+    text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "documents"))
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
+
+    def texts(self) -> list[str]:
+        return [*_as_list(self.text_1), *_as_list(self.text_2)]
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreResponseData]
+    usage: UsageInfo
+
+
+class RerankRequest(PoolingTexts):
+    """vLLM's rerank request (Jina's and Cohere's shape); top_n <= 0 means every document.
+    `return_documents` is Cohere's: false leaves each result's document out."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
+
+    def texts(self) -> list[str]:
+        return [self.query, *self.documents]
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+def _as_list(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else texts

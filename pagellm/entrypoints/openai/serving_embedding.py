@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from pagellm.engine.input_processor import POOLING_ON_GENERATE
 from pagellm.entrypoints.openai.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -34,8 +33,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def _prepare(self, request: EmbeddingRequest) -> tuple[list[list[int]], PoolingParams]:
         self.check_model(request.model)
         self.check_alive()
-        if self.engine.model_config.runner_type != "pooling":
-            raise OpenAIError(POOLING_ON_GENERATE, param="model")
+        self.check_pooling_engine()
         inputs: list[Any]
         if isinstance(request.input, str) or (request.input and isinstance(request.input[0], int)):
             inputs = [request.input]
@@ -52,11 +50,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 self.check_token_ids(ids, "input")
             if not ids:
                 raise OpenAIError("An input is empty: each must contain at least one token.", param="input")
-            if len(ids) > self.max_model_len:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                    f"requested {len(ids)} tokens in the input for embedding generation. Please reduce "
-                    "the length of the input.", param="input")
+            self.check_pooling_length(ids, "input")
             prompts.append(ids)
         try:
             params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize, task="embed")

@@ -11,6 +11,7 @@ from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, StreamTooSlowError
+from pagellm.engine.input_processor import POOLING_ON_GENERATE
 from pagellm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
@@ -109,6 +110,19 @@ class OpenAIServing:
     def check_alive(self) -> None:
         if self.engine.errored:
             raise engine_dead_error()
+
+    def check_pooling_engine(self) -> None:
+        """Embeddings, scores and reranking need a pooling engine."""
+        if self.engine.model_config.runner_type != "pooling":
+            raise OpenAIError(POOLING_ON_GENERATE, param="model")
+
+    def check_pooling_length(self, prompt_ids: list[int], param: str) -> None:
+        """A text to embed fills at most the context (no token is generated after it)."""
+        if len(prompt_ids) > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(prompt_ids)} tokens in the input for embedding generation. Please reduce "
+                "the length of the input.", param=param)
 
     def validate_length(self, prompt_ids: list[int], max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the max_tokens to use; rejects prompts that leave no room."""

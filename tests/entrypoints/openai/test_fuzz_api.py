@@ -27,6 +27,11 @@ ROUTES = {
     ("GET", "/v1/responses/{response_id}"): (5, 0),  # any string is a valid id
     ("POST", "/v1/messages"): (50, 30),
     ("POST", "/v1/embeddings"): (20, 20),  # a 400 here (a generate server); fuzzed on a pooling one below
+    ("POST", "/v1/score"): (10, 10),  # likewise; /score and the rerank paths are the same handlers
+    ("POST", "/score"): (3, 3),
+    ("POST", "/v1/rerank"): (10, 10),
+    ("POST", "/rerank"): (3, 3),
+    ("POST", "/v2/rerank"): (3, 3),
     ("POST", "/tokenize"): (30, 20),
     ("POST", "/detokenize"): (30, 20),
     ("GET", "/v1/models"): (1, 0),
@@ -61,9 +66,9 @@ def test_every_route_is_fuzzed(schema: Any) -> None:
 def _steer(body: Any, data: st.DataObject) -> None:
     """Half of the valid cases are made likelier to reach the engine: the schema cannot
     say that `model` must be a served name, that `suffix`/`best_of` are refused, that a
-    message's role is one of a few, that token ids lie in the vocabulary, or that a
-    previous_response_id must name a stored response, and without this almost every case
-    would stop at one of those 4xx answers."""
+    message's role is one of a few, that token ids lie in the vocabulary, that a
+    previous_response_id must name a stored response, or that texts to score are not
+    empty, and without this almost every case would stop at one of those 4xx answers."""
     if not isinstance(body, dict) or not data.draw(st.booleans()):
         return
     for key in ("model", "suffix", "best_of"):
@@ -87,6 +92,15 @@ def _steer(body: Any, data: st.DataObject) -> None:
         body["prompt"] = "Hello"
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         body["prompt"] = [abs(t) % 30000 for t in prompt]
+    # score and rerank: non-empty texts, one first text (1:N pairs always pair up)
+    for key in ("text_1", "query"):
+        if key in body:
+            body[key] = "Hello"
+    for key in ("text_2", "documents"):
+        texts = body.get(key)
+        if isinstance(texts, list):
+            body[key] = [t for t in texts if isinstance(t, str) and t] or ["Hello"]
+    body.pop("truncate_prompt_tokens", None)
 
 
 def _check_error_body(response: Any, where: str) -> None:
@@ -159,9 +173,12 @@ def pooling_srv(tiny_model):
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_fuzz_embeddings_on_a_pooling_server(pooling_srv: ServerProcess, mode: GenerationMode) -> None:
+@pytest.mark.parametrize(("path", "examples"), [("/v1/embeddings", (60, 30)), ("/v1/score", (30, 20)),
+                                                ("/v1/rerank", (30, 20))])
+def test_fuzz_pooling_routes_on_a_pooling_server(pooling_srv: ServerProcess, path: str, examples: tuple[int, int],
+                                                 mode: GenerationMode) -> None:
     schema = schemathesis.openapi.from_url(pooling_srv.url + "/openapi.json")
-    _fuzz(pooling_srv, schema, ("POST", "/v1/embeddings"), mode, 60 if mode is GenerationMode.POSITIVE else 30)
+    _fuzz(pooling_srv, schema, ("POST", path), mode, examples[0] if mode is GenerationMode.POSITIVE else examples[1])
 
 
 def _fuzz(srv: ServerProcess, schema: Any, route: tuple[str, str], mode: GenerationMode, examples: int) -> None:
