@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm import __version__, envs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.input_processor import GENERATE_ON_POOLING
+from pagellm.engine.input_processor import generate_on_pooling
 from pagellm.entrypoints.anthropic.protocol import MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
@@ -220,7 +220,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         """Runs a handler under admission control; a stream becomes SSE, any failure
         OpenAI's error JSON."""
         if pooling and serving in generators:
-            raise OpenAIError(GENERATE_ON_POOLING, param="model")
+            raise OpenAIError(generate_on_pooling(engine.model_config), param="model")
         limits.check(request, max_logprobs)  # before admission: a refused request holds no slot
         slot = admission.take(_num_sequences(request))
         try:
