@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 
 
 def _free_port() -> int:
@@ -44,3 +45,11 @@ def local_server(model: str | None, flags: list[str], start_timeout: float = 300
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def engine_pid(server_pid: int) -> int:
+    """The pid of the (first) engine-core process under a `pagellm serve` process."""
+    for p in psutil.Process(server_pid).children(recursive=True):
+        if "pagellm.core.engine_core_proc" in p.cmdline():
+            return p.pid
+    raise RuntimeError("no engine-core process under the server")

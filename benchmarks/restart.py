@@ -20,15 +20,7 @@ import statistics
 import time
 
 import httpx
-import psutil
-from local_server import local_server
-
-
-def _engine_pid(server_pid: int) -> int:
-    for p in psutil.Process(server_pid).children(recursive=True):
-        if "pagellm.core.engine_core_proc" in p.cmdline():
-            return p.pid
-    raise RuntimeError("no engine-core process under the server")
+from local_server import engine_pid, local_server
 
 
 async def _stream_until_error(client: httpx.AsyncClient) -> float | None:
@@ -53,7 +45,7 @@ async def _health_is_plain_200(client: httpx.AsyncClient) -> bool:
 async def one_kill(client: httpx.AsyncClient, server_pid: int, streams: int, sig: signal.Signals) -> dict:
     tasks = [asyncio.create_task(_stream_until_error(client)) for _ in range(streams)]
     await asyncio.sleep(1.0)  # the streams are decoding
-    pid = _engine_pid(server_pid)
+    pid = engine_pid(server_pid)
     killed = time.monotonic()
     os.kill(pid, sig)
     errors = await asyncio.gather(*tasks)
