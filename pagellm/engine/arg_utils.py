@@ -185,9 +185,10 @@ class EngineArgs:
     reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
     runner: str = "auto"
     """What the engine runs the model for (vLLM's --runner): 'generate' (completions and
-    chat), 'pooling' (embeddings: LLM.embed / LLM.encode, /v1/embeddings; each prompt
-    runs once through the model, no token is sampled) or 'auto' ('pooling' with
-    --convert embed, else 'generate')."""
+    chat), 'pooling' (embeddings: LLM.embed / LLM.encode / LLM.score, /v1/embeddings,
+    /v1/score, /v1/rerank; each prompt runs once through the model, no token is sampled)
+    or 'auto' ('pooling' for an encoder such as BERT or with --convert embed, else
+    'generate')."""
     convert: str = "auto"
     """Adapt the checkpoint to the runner (vLLM's --convert): 'embed' serves a generative
     checkpoint as an embedding model (its final-norm hidden states pooled; implies
