@@ -42,12 +42,13 @@ from local_server import engine_pid, local_server
 MIX = {"plain": 20, "stream": 25, "structured": 10, "tool": 10, "n2": 10, "abort": 15, "overlong": 10}
 """Request kinds of --mix and their weights (percent)."""
 
+CITIES = ["Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CITIES = ["Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo"]
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                   "required": ["city"]}}}
 
 
 @dataclass
