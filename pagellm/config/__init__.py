@@ -69,6 +69,9 @@ class ModelConfig:
     prompt runs once and its pooled final hidden state is returned). vLLM's --runner."""
     pooler_config: PoolerConfig | None = None
     """How a pooling engine pools (resolved; None on a generate engine)."""
+    is_encoder_only: bool = False
+    """An encoder family (BERT; the registry's `encoder_only`): pooling only, whole
+    prompts, no KV cache."""
 
     @property
     def is_matryoshka(self) -> bool:
@@ -96,13 +99,6 @@ class ModelConfig:
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or ["LlamaForCausalLM"]
         return archs[0]
-
-    @property
-    def is_encoder_only(self) -> bool:
-        """An encoder family (BERT): pooling only, whole prompts, no KV cache."""
-        from pagellm.model_executor.registry import ModelRegistry
-
-        return ModelRegistry.is_encoder_only(self.architecture)
 
     @property
     def num_layers(self) -> int:

@@ -286,7 +286,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         from pagellm.entrypoints.openai.model_names import served_model_names
-        from pagellm.model_executor import loader
+        from pagellm.model_executor import ModelRegistry, loader
         from pagellm.model_executor.layers.quantization import resolve_gguf_activations
 
         self.verify_args()
@@ -307,6 +307,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             gguf_activations=resolve_gguf_activations(self.gguf_activations),
             runner_type=self._resolve_runner(hf_config),
+            is_encoder_only=ModelRegistry.is_encoder_only(hf_config.architectures[0]),
         )
         if model_config.runner_type == "pooling":
             model_config = dataclasses.replace(
@@ -384,9 +385,9 @@ class EngineArgs:
         return spec
 
     def _resolve_runner(self, hf_config: Any) -> str:
-        from pagellm.model_executor.registry import ModelRegistry
+        from pagellm.model_executor import ModelRegistry
 
-        arch = (getattr(hf_config, "architectures", None) or [""])[0]
+        arch = hf_config.architectures[0]
         if ModelRegistry.is_encoder_only(arch):
             if self.runner == "generate":
                 raise ValueError(f"{arch} is an encoder (an embedding model): it needs runner='pooling' "
