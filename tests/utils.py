@@ -21,7 +21,7 @@ from pagellm.attention.backend import (
     model_layer_windows,
     set_forward_context,
 )
-from pagellm.config import ModelConfig
+from pagellm.config import ModelConfig, ServedModelNames
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe",
                  "phi3")
@@ -168,7 +168,7 @@ def make_model_config(
         dtype=dtype,
         max_model_len=max_model_len,
         seed=0,
-        served_model_name=os.path.basename(path),
+        served_names=ServedModelNames([os.path.basename(path)], []),
         hf_config=load_hf_config(path),
         generation_config=load_generation_config(path),
         quantization=quantization,

@@ -1,4 +1,5 @@
-"""Paged-attention backend in plain PyTorch (the CPU default).
+"""Paged-attention backend on torch tensors (the CPU default), with the C kernels of
+pagellm/kernels for the KV write and decode attention where they build.
 
 The builder turns one step's CommonAttentionMetadata into index tensors and masks once
 per step; the impl then, for every layer, writes the step's K/V into the paged cache

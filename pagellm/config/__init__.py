@@ -19,6 +19,16 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 @dataclass(frozen=True)
+class ServedModelNames:
+    """The names the OpenAI server answers to (model_executor.model_names makes them)."""
+
+    served: list[str]
+    """Listed by /v1/models; the first is the one responses report when a request gives none."""
+    aliases: list[str]
+    """Also accepted in requests, not listed."""
+
+
+@dataclass(frozen=True)
 class PoolerConfig:
     """vLLM's PoolerConfig, the fields pagellm reads (--pooler-config as JSON)."""
 
@@ -47,8 +57,8 @@ class ModelConfig:
     """Longest sequence (prompt + output) a request may reach."""
     seed: int
     """Global seed for reproducible sampling."""
-    served_model_name: str
-    """The name the OpenAI server reports and accepts."""
+    served_names: ServedModelNames
+    """The names the OpenAI server lists and accepts (model_executor.model_names)."""
     hf_config: Any = field(compare=False, repr=False)
     """ArchConfig of the model (config.json keys, from the directory or GGUF metadata)."""
     generation_config: dict = field(default_factory=dict, compare=False, repr=False)
@@ -80,6 +90,11 @@ class ModelConfig:
     @property
     def matryoshka_dimensions(self) -> list[int] | None:
         return getattr(self.hf_config, "matryoshka_dimensions", None)
+
+    @property
+    def served_model_name(self) -> str:
+        """The name the OpenAI server reports (the first it lists)."""
+        return self.served_names.served[0]
 
     @property
     def hidden_size(self) -> int:

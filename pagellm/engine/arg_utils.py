@@ -124,7 +124,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     """KV cache storage: auto, float32, float16 or bfloat16 (vLLM's flag; fp8 is not supported). Keys and values are rounded to it as they are written; attention computes in float32. 'auto' is the compute dtype, except on CPU for a GGUF file on the int8-activation path (its default), where it is float16: half the memory, and the C decode attention reads it faster than float32 at every context length measured. The exact paths keep float32 (their greedy parity with transformers)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of device memory for the engine (CUDA). On CPU the KV cache takes this fraction of available RAM, capped at 4 GiB, unless kv_cache_memory_bytes is given."""
+    """Fraction of device memory for the engine (CUDA). On CPU the KV cache takes half this fraction of the available RAM (the other half is left to activations, the frontend and the rest of the machine), capped at 4 GiB, unless kv_cache_memory_bytes is given."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks (testing)."""
     enable_prefix_caching: bool = True
@@ -285,9 +285,9 @@ class EngineArgs:
     # -- config --------------------------------------------------------------------------
 
     def create_engine_config(self) -> EngineConfig:
-        from pagellm.entrypoints.openai.model_names import served_model_names
         from pagellm.model_executor import ModelRegistry, loader
         from pagellm.model_executor.layers.quantization import resolve_gguf_activations
+        from pagellm.model_executor.model_names import served_model_names
 
         self.verify_args()
         device = self._resolve_device()
@@ -300,7 +300,7 @@ class EngineArgs:
             dtype=self._resolve_dtype(hf_config, device),
             max_model_len=self._resolve_max_model_len(hf_config, model_path),
             seed=self.seed,
-            served_model_name=served_model_names(self.model, model_path, self.served_model_names).served[0],
+            served_names=served_model_names(self.model, model_path, self.served_model_names),
             hf_config=hf_config,
             generation_config=loader.load_generation_config(model_path),
             quantization=self._resolve_quantization(model_path, device),

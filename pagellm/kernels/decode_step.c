@@ -1,6 +1,6 @@
 /* A decoder stack (Llama's layer, with Qwen3's and Gemma's extras) for a batch of
  * single-token decodes in one call: for each layer the same kernels, in the same order,
- * as the module path runs them one Python call at a time (layers/fused_decode.py builds
+ * as the module path runs them one Python call at a time (models/fused_decode.py builds
  * the descriptions and says when it applies):
  *
  *   res = res + x (layer 0: res = x)      normed = rms_norm(res) * w1     pg_add_rms_norm
@@ -32,6 +32,7 @@
  * threads once instead of once per kernel. Each thread's share of a kernel is the share
  * that kernel's own region would give it, so the numbers are the same.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -160,6 +161,53 @@ typedef struct {
     float *gate_up; /* 2 inter */
     float *act;    /* inter */
 } pg_step;
+
+/* The layout of the structs above as this compiler lays them out, for the ctypes mirrors
+ * in models/fused_decode.py to be checked against at load. One list of fields per struct
+ * (declaration order) gives both the offsets and the names. */
+#define PG_GROUP_FIELDS(X, S) X(S, type) X(S, row_bytes) X(S, row_start) X(S, rows) X(S, data) \
+    X(S, block) X(S, k_pad)
+#define PG_LINEAR_FIELDS(X, S) X(S, n_groups) X(S, n_in) X(S, n_out) X(S, groups) X(S, bias)
+#define PG_LAYER_FIELDS(X, S) X(S, norm1) X(S, norm2) X(S, qkv) X(S, o) X(S, gate_up) X(S, down) \
+    X(S, k_store) X(S, v_store) X(S, q_norm) X(S, k_norm) X(S, post_attn) X(S, post_ffn) \
+    X(S, cos_table) X(S, sin_table) X(S, scale) X(S, soft_cap) X(S, view) X(S, act) X(S, router) \
+    X(S, moe_experts) X(S, moe_top_k) X(S, moe_inter) X(S, moe_renorm) X(S, moe_gate) X(S, moe_up) \
+    X(S, moe_down)
+#define PG_VIEW_FIELDS(X, S) X(S, table) X(S, lo) X(S, hi) X(S, table_stride) X(S, max_slots)
+#define PG_STEP_FIELDS(X, S) X(S, T) X(S, hidden) X(S, H) X(S, KVH) X(S, D) X(S, inter) X(S, NB) \
+    X(S, bs) X(S, kv_type) X(S, direct_rows) X(S, n_q8) X(S, int8_levels) X(S, i8_batched) X(S, eps) \
+    X(S, positions) X(S, slots) X(S, q8_rows) X(S, views) X(S, moe_logits) X(S, moe_probs) \
+    X(S, moe_weights) X(S, moe_x) X(S, moe_y) X(S, moe_ids) X(S, moe_rows) X(S, moe_slots) \
+    X(S, moe_q8) X(S, normed) X(S, qkv) X(S, attn) X(S, gate_up) X(S, act)
+#define PG_OFF(S, f) (int64_t)offsetof(S, f),
+#define PG_NAME(S, f) #f " "
+#define PG_LAYOUT(LIST, S) {(int64_t)sizeof(S), LIST(PG_OFF, S)}
+static const int64_t pg_group_layout[] = PG_LAYOUT(PG_GROUP_FIELDS, pg_weight_group);
+static const int64_t pg_linear_layout[] = PG_LAYOUT(PG_LINEAR_FIELDS, pg_linear);
+static const int64_t pg_layer_layout[] = PG_LAYOUT(PG_LAYER_FIELDS, pg_layer);
+static const int64_t pg_view_layout[] = PG_LAYOUT(PG_VIEW_FIELDS, pg_attn_view);
+static const int64_t pg_step_layout[] = PG_LAYOUT(PG_STEP_FIELDS, pg_step);
+static const int64_t *const pg_layouts[] = {pg_group_layout, pg_linear_layout, pg_layer_layout,
+                                            pg_view_layout, pg_step_layout};
+static const int64_t pg_layout_counts[] = {
+    sizeof(pg_group_layout) / 8, sizeof(pg_linear_layout) / 8, sizeof(pg_layer_layout) / 8,
+    sizeof(pg_view_layout) / 8, sizeof(pg_step_layout) / 8};
+static const char *const pg_layout_names[] = {
+    PG_GROUP_FIELDS(PG_NAME, _), PG_LINEAR_FIELDS(PG_NAME, _), PG_LAYER_FIELDS(PG_NAME, _),
+    PG_VIEW_FIELDS(PG_NAME, _), PG_STEP_FIELDS(PG_NAME, _)};
+
+/* Struct `which` (0 pg_weight_group, 1 pg_linear, 2 pg_layer, 3 pg_attn_view, 4 pg_step):
+ * its size, then each field's offset, into out (at most cap values); *names gets its field
+ * names, space-separated. Returns how many values the struct has, -1 for an unknown one. */
+int64_t pg_struct_layout(int64_t which, int64_t *out, int64_t cap, const char **names) {
+    if (which < 0 || which >= 5) return -1;
+    for (int64_t i = 0; i < pg_layout_counts[which] && i < cap; i++) out[i] = pg_layouts[which][i];
+    if (names) *names = pg_layout_names[which];
+    return pg_layout_counts[which];
+}
+#undef PG_OFF
+#undef PG_NAME
+#undef PG_LAYOUT
 
 /* 1 when every weight group of L is one the parts take. */
 static int linear_supported(const pg_linear *L) {

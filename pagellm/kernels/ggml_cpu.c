@@ -625,12 +625,3 @@ int pg_dequant_rows(int type, const uint8_t *W, int64_t row_bytes, int64_t K,
     }
     return 0;
 }
-
-/* 1 when this build uses the AVX2 paths (for the log line). */
-int pg_simd_level(void) {
-#ifdef PG_AVX2
-    return 2;
-#else
-    return 0;
-#endif
-}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from pagellm.utils import cdiv
 if TYPE_CHECKING:  # the frontend reads GGUF metadata without importing torch
     import torch
 
-logger = logging.getLogger(__name__)
 
 # GGUF general.architecture -> HF architectures name (and config model_type).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = ModelRegistry.gguf_architectures()

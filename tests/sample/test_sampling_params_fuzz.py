@@ -20,6 +20,8 @@ from pagellm.sampling_params import StructuredOutputsParams
 VOCAB = 49152  # the tiny model shares the default model's tokenizer
 PROMPT = "The quick brown fox"
 MAX_MODEL_LEN = 64
+MAX_LOGPROBS = 20
+"""The engine's default max_logprobs (vLLM's): the most logprobs a request may ask for."""
 
 NAN, INF = float("nan"), float("inf")
 
@@ -60,8 +62,8 @@ KWARGS = st.fixed_dictionaries({}, optional={
     "repetition_penalty": _floats(0.01, 3.0, 0.0, -1.0),
     "max_tokens": _mostly(st.one_of(st.none(), st.integers(1, 6)), st.integers(-2, 0)),
     "min_tokens": _mostly(st.integers(0, 8), st.integers(-2, -1)),
-    "logprobs": _mostly(st.one_of(st.none(), st.integers(-1, 5)), st.just(-2)),
-    "prompt_logprobs": _mostly(st.one_of(st.none(), st.integers(-1, 3)), st.just(-2)),
+    "logprobs": _mostly(st.one_of(st.none(), st.integers(0, 5)), st.sampled_from([-2, -1, MAX_LOGPROBS + 1])),
+    "prompt_logprobs": _mostly(st.one_of(st.none(), st.integers(0, 3)), st.sampled_from([-2, -1, MAX_LOGPROBS + 1])),
     "stop": st.one_of(st.none(), _TEXT, st.lists(_mostly(_TEXT, _BAD_TEXT), max_size=3)),
     "stop_token_ids": st.lists(_token_ids(), max_size=3),
     "seed": _mostly(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
@@ -100,7 +102,8 @@ def _at_fault(kw: dict[str, Any]) -> set[str]:
     if max_tokens is not None and get("min_tokens", 0) > max_tokens:
         bad.update({"min_tokens"} & kw.keys())
     for name in ("logprobs", "prompt_logprobs"):
-        out(name, get(name) is None or get(name) >= -1)
+        # -1 asks for the whole vocabulary, which the engine's max_logprobs (20) refuses
+        out(name, get(name) is None or 0 <= get(name) <= MAX_LOGPROBS)
     stop = get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
     out("stop", all(stops))

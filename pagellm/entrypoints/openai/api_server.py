@@ -28,7 +28,6 @@ from pagellm.engine.input_processor import generate_on_pooling
 from pagellm.entrypoints.anthropic.protocol import MessagesRequest
 from pagellm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.chat_utils import apply_chat_template, load_chat_template
-from pagellm.entrypoints.openai.model_names import served_model_names
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -355,8 +354,7 @@ def run_server(args: Any) -> int:
     sock = _listen(args.host, args.port)
     try:
         config = engine_args.create_engine_config()
-        model_names = served_model_names(engine_args.model, config.model_config.model_path,
-                                         engine_args.served_model_names)
+        model_names = config.model_config.served_names
         names = model_names.served
         num_engines = config.parallel_config.data_parallel_size
         # --disable-log-stats turns statistics off everywhere: no log line, no /metrics

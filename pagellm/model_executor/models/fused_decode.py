@@ -19,6 +19,7 @@ path then runs. It knows the torch backend's cache layout and decode metadata.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,42 @@ class _Step(ctypes.Structure):  # pg_step
                               "moe_ids", "moe_rows", "moe_slots", "moe_q8")],
         *[(n, _ptr) for n in ("normed", "qkv", "attn", "gate_up", "act")],
     ]  # fmt: skip
+
+
+STRUCTS = (("pg_weight_group", _WeightGroup), ("pg_linear", _Linear), ("pg_layer", _Layer),
+           ("pg_attn_view", _View), ("pg_step", _Step))
+"""The C structs the stack fills and their ctypes mirrors, in pg_struct_layout's order."""
+
+
+def check_struct_layouts(lib: ctypes.CDLL, structs: tuple[tuple[str, type], ...] = STRUCTS) -> None:
+    """Raises RuntimeError naming the first struct whose ctypes mirror differs from what
+    the compiler made of decode_step.c's declaration (its fields' names and order, their
+    offsets, the size): filled through a stale mirror, the C stack would read fields at
+    the wrong places."""
+    out = (ctypes.c_int64 * 64)()
+    names_p = ctypes.c_char_p()
+    for which, (c_name, mirror) in enumerate(structs):
+        n = lib.pg_struct_layout(which, out, len(out), ctypes.byref(names_p))
+        c_size, c_offsets = out[0], list(out[1:n])
+        c_names = names_p.value.decode().split()
+        names = [name for name, _ in mirror._fields_]
+        where = f"{mirror.__name__} in models/fused_decode.py does not match {c_name} in kernels/decode_step.c"
+        if names != c_names:
+            diff = next((i for i, (a, b) in enumerate(zip(c_names, names)) if a != b), min(len(names), len(c_names)))
+            c_field = c_names[diff] if diff < len(c_names) else "nothing"
+            py_field = names[diff] if diff < len(names) else "nothing"
+            raise RuntimeError(f"{where}: field {diff} is {c_field!r} in C, {py_field!r} in Python")
+        for name, c_offset in zip(names, c_offsets):
+            if getattr(mirror, name).offset != c_offset:
+                raise RuntimeError(f"{where}: field {name!r} at offset {c_offset} in C, "
+                                   f"{getattr(mirror, name).offset} in Python")
+        if ctypes.sizeof(mirror) != c_size:
+            raise RuntimeError(f"{where}: {c_size} bytes in C, {ctypes.sizeof(mirror)} in Python")
+
+
+@functools.cache
+def _check_layouts_once(lib: ctypes.CDLL) -> None:
+    check_struct_layouts(lib)
 
 
 def _weight_groups(layer: Linear) -> list[Any] | None:
@@ -323,6 +360,8 @@ class FusedDecodeStack:
         not apply (a layer without `fused_layer`, or whose `fused_layer()` is None, or
         parts the kernels do not take)."""
         lib = load_kernels()
+        if lib is not None:
+            _check_layouts_once(lib)
         layers = list(model.layers)
         parts = ([layer.fused_layer() for layer in layers]
                  if all(hasattr(layer, "fused_layer") for layer in layers) else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagellm.entrypoints.openai.model_names import gguf_model_id, served_model_names
+from pagellm.model_executor.model_names import gguf_model_id, served_model_names
 
 
 @pytest.mark.parametrize(("file", "expected"), [

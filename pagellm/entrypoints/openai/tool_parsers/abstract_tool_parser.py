@@ -127,9 +127,3 @@ class ToolParser(ABC):
 
     @abstractmethod
     def streamer(self) -> ToolCallStreamer: ...
-
-
-def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
-    """Joins deltas into one (content concatenated, fragments in order)."""
-    content = "".join(d.content or "" for d in deltas)
-    return StreamDelta(content or None, [f for d in deltas for f in d.tool_calls])

@@ -132,7 +132,7 @@ def get_quantization_config(model_config: Any) -> QuantizationConfig | None:
         from pagellm.model_executor.layers.quantization.gguf import GGUFConfig
 
         activations = resolve_gguf_activations(getattr(model_config, "gguf_activations", "auto"))
-        return GGUFConfig(model_config.model_path, activations)
+        return GGUFConfig(activations)
     raise ValueError(f"unknown quantization method {name!r}")
 
 

@@ -100,10 +100,9 @@ class GGUFConfig(QuantizationConfig):
     gguf_activations) rounds decode-sized inputs to int8 per 32 values and multiplies in
     integers, as llama.cpp does; "float32" is the exact path."""
 
-    def __init__(self, model_path: str, activations: str = "float32") -> None:
+    def __init__(self, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"GGUF activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
-        self.model_path = model_path
         self.activations = activations
         if activations not in _logged_activations:  # once per process and path
             _logged_activations.add(activations)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+
+from pagellm.config import ServedModelNames
 
 # A trailing quantization tag as llama.cpp's tools and hub uploads spell it:
 # .Q4_1, -Q4_K_M, .q8_0, -IQ4_XS, .F16, -bf16, .Q4_0_4_4 ...
@@ -23,14 +24,6 @@ def gguf_model_id(path: str) -> str:
     """`dir/SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`."""
     stem = os.path.basename(path).removesuffix(".gguf")
     return _QUANT_SUFFIX.sub("", stem) or stem
-
-
-@dataclass(frozen=True)
-class ServedModelNames:
-    served: list[str]
-    """Listed by /v1/models; the first is the one responses report when a request gives none."""
-    aliases: list[str]
-    """Also accepted in requests, not listed."""
 
 
 def served_model_names(model: str | None, model_path: str, given: list[str]) -> ServedModelNames:
