@@ -22,7 +22,7 @@ import os
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # before agents is imported
 
 import httpx
-from local_server import local_server
+from local_server import local_server, metric_sum
 
 CITIES = ["London", "Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth"]
 BLOCK = 16
@@ -30,13 +30,9 @@ BLOCK = 16
 
 
 def _counters(url: str) -> tuple[float, float]:
+    """(prefix-cache queries, hits) so far, in tokens."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            if line.startswith(f"pagellm:{name}{{"):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values.get("prefix_cache_queries_total", 0.0), values.get("prefix_cache_hits_total", 0.0)
+    return metric_sum(text, "prefix_cache_queries_total"), metric_sum(text, "prefix_cache_hits_total")
 
 
 async def one_run(url: str, model_kind: str, city: str) -> list[dict]:

@@ -47,6 +47,13 @@ def local_server(model: str | None, flags: list[str], start_timeout: float = 300
         server.wait(timeout=60)
 
 
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every series of `pagellm:<name>` (all engines, all labels) in a
+    /metrics text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((f"pagellm:{name}{{", f"pagellm:{name} ")))
+
+
 def engine_pid(server_pid: int) -> int:
     """The pid of the (first) engine-core process under a `pagellm serve` process."""
     for p in psutil.Process(server_pid).children(recursive=True):

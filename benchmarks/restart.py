@@ -20,7 +20,7 @@ import statistics
 import time
 
 import httpx
-from local_server import engine_pid, local_server
+from local_server import engine_pid, local_server, metric_sum
 
 
 async def _stream_until_error(client: httpx.AsyncClient) -> float | None:
@@ -68,8 +68,7 @@ async def run(url: str, server_pid: int, kills: int, streams: int, sig: signal.S
                   f"{row['failed_within_s']:.2f} s; /health 200 after {row['health_200_s']:.1f} s; "
                   f"next request {row['next_request']}", flush=True)
         metrics = (await client.get("/metrics")).text
-        restarts = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                       if line.startswith("pagellm:engine_restarts_total"))
+        restarts = metric_sum(metrics, "engine_restarts_total")
         print(f"pagellm:engine_restarts_total = {restarts:g}")
         return rows
 

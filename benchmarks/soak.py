@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import psutil
-from local_server import engine_pid, local_server
+from local_server import engine_pid, local_server, metric_sum
 
 MIX = {"plain": 20, "stream": 25, "structured": 10, "tool": 10, "n2": 10, "abort": 15, "overlong": 10}
 """Request kinds of --mix and their weights (percent)."""
@@ -97,17 +97,11 @@ def _resources(pid: int) -> tuple[float, int, int]:
 
 async def _gauges(client: httpx.AsyncClient) -> tuple[float, float]:
     """(KV cache use in percent, requests waiting) from /metrics, summed over engines."""
-    kv = waiting = 0.0
     try:
         text = (await client.get("/metrics", timeout=10)).text
     except httpx.HTTPError:
         return float("nan"), float("nan")
-    for line in text.splitlines():
-        if line.startswith("pagellm:kv_cache_usage_perc{"):
-            kv += float(line.rsplit(" ", 1)[1]) * 100
-        elif line.startswith("pagellm:num_requests_waiting{"):
-            waiting += float(line.rsplit(" ", 1)[1])
-    return kv, waiting
+    return metric_sum(text, "kv_cache_usage_perc") * 100, metric_sum(text, "num_requests_waiting")
 
 
 async def _read_stream(resp: httpx.Response, out: Outcome, start: float, stop_after: int | None,

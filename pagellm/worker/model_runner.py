@@ -201,7 +201,8 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(sched)
-        attn_metadata, by_window = self.attn_groups.build(inputs.common)
+        # an encoder attends within its own step and reads no attention metadata
+        attn_metadata, by_window = self.attn_groups.build(inputs.common) if self.kv_caches else (None, None)
         with set_forward_context(attn_metadata, self.kv_caches, self._generated_rows(inputs),
                                  by_window):
             hidden = self._forward(inputs.input_ids, inputs.positions)

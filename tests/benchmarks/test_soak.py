@@ -45,3 +45,11 @@ def test_the_mix_sends_each_kind() -> None:
     assert paths["structured"][1]["response_format"]["json_schema"]["schema"] == soak.PERSON
     assert len(paths["overlong"][1]["prompt"].split()) > 1024  # past local_server's --max-model-len
     assert {p for p, _ in paths.values()} == {"/v1/completions", "/v1/chat/completions"}
+
+
+def test_metric_sums_every_engines_series() -> None:
+    text = ('# HELP pagellm:num_requests_waiting x\npagellm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'pagellm:num_requests_waiting{engine="1",model_name="m"} 3.0\n'
+            'pagellm:num_requests_waiting_other{engine="0"} 7.0\nvllm:num_requests_waiting{engine="0"} 2.0\n')
+    assert soak.metric_sum(text, "num_requests_waiting") == 5.0
+    assert soak.metric_sum(text, "kv_cache_usage_perc") == 0.0

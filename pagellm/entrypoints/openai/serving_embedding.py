@@ -22,10 +22,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
-    as_openai_error,
-    merge_generators,
 )
-from pagellm.outputs import PoolingRequestOutput
 from pagellm.pooling_params import PoolingParams
 
 
@@ -62,16 +59,9 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
         prompts, params = self._prepare(request)
         base_id = f"embd-{request_id}" if request_id else random_id("embd")
-        gens = [self.engine.encode({"prompt_token_ids": ids}, params, f"{base_id}-{i}", priority=request.priority)
-                for i, ids in enumerate(prompts)]
-        finals: dict[int, PoolingRequestOutput] = {}
-        try:
-            async for i, out in merge_generators(gens):  # type: ignore[arg-type]
-                finals[i] = out  # type: ignore[assignment]
-        except Exception as e:
-            raise as_openai_error(e) from e
-        data = [EmbeddingData(index=i, embedding=_encode(finals[i].outputs.data, request.encoding_format))
-                for i in range(len(prompts))]
+        vectors = await self.embed_all(prompts, params, base_id, request.priority)
+        data = [EmbeddingData(index=i, embedding=_encode(vec, request.encoding_format))
+                for i, vec in enumerate(vectors)]
         num_tokens = sum(len(ids) for ids in prompts)
         return EmbeddingResponse(id=base_id, model=request.model or self.served_model_names[0], data=data,
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))

@@ -124,6 +124,19 @@ class OpenAIServing:
                 f"requested {len(prompt_ids)} tokens in the input for embedding generation. Please reduce "
                 "the length of the input.", param=param)
 
+    async def embed_all(self, prompts: list[list[int]], params: Any, base_id: str, priority: int) -> list[Any]:
+        """Each prompt's pooled vector (numpy, float32), in order: one engine request per
+        prompt, `{base_id}-{i}`, run together; a failure becomes OpenAI's error."""
+        gens = [self.engine.encode({"prompt_token_ids": ids}, params, f"{base_id}-{i}", priority=priority)
+                for i, ids in enumerate(prompts)]
+        finals: dict[int, Any] = {}
+        try:
+            async for i, out in merge_generators(gens):  # type: ignore[arg-type]
+                finals[i] = out
+        except Exception as e:
+            raise as_openai_error(e) from e
+        return [finals[i].outputs.data for i in range(len(prompts))]
+
     def validate_length(self, prompt_ids: list[int], max_tokens: int | None, param: str = "max_tokens") -> int:
         """Returns the max_tokens to use; rejects prompts that leave no room."""
         n = len(prompt_ids)

@@ -25,10 +25,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
-    as_openai_error,
-    merge_generators,
 )
-from pagellm.outputs import PoolingRequestOutput
 from pagellm.pooling_params import PoolingParams
 
 
@@ -81,15 +78,8 @@ class OpenAIServingScore(OpenAIServing):
                 self.check_pooling_length(token_ids[text], name)
         params = self.engine.input_processor.complete_pooling_params(PoolingParams(task="embed"))
         # 2. one embedding per distinct text
-        gens = [self.engine.encode({"prompt_token_ids": ids}, params, f"{base_id}-{i}", priority=request.priority)
-                for i, ids in enumerate(token_ids.values())]
-        finals: dict[int, PoolingRequestOutput] = {}
-        try:
-            async for i, out in merge_generators(gens):  # type: ignore[arg-type]
-                finals[i] = out  # type: ignore[assignment]
-        except Exception as e:
-            raise as_openai_error(e) from e
-        vectors = {text: finals[i].outputs.data for i, text in enumerate(token_ids)}
+        vectors = dict(zip(token_ids, await self.embed_all(list(token_ids.values()), params, base_id,
+                                                           request.priority)))
         # 3. a score per pair
         scores = [score_utils.cosine_similarity(vectors[a], vectors[b]) for a, b in pairs]
         return scores, sum(len(ids) for ids in token_ids.values())
