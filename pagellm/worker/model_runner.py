@@ -181,7 +181,8 @@ class ModelRunner:
             vocab_size=m.vocab_size,
         )
         if not self.kv_caches:
-            logger.info("No KV cache (an encoder): %d blocks of %d tokens count the scheduled tokens",
+            logger.info("No KV cache (an encoder: whole prompts per step, so chunked prefill and prefix "
+                        "caching are off): %d blocks of %d tokens count the scheduled tokens",
                         num_blocks, self.block_size)
             return
         logger.info(
