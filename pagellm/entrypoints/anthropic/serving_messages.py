@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     final_output,
     merge_generators,
+    sse_data,
 )
 
 
@@ -51,7 +52,7 @@ def _tool_input(arguments: str) -> Any:
 
 
 def _event(kind: str, **fields: Any) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {sse_data(json.dumps({'type': kind, **fields}, ensure_ascii=False))}\n\n"
 
 
 class AnthropicServingMessages(OpenAIServingChat):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -287,9 +288,22 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+# Characters that JSON leaves raw in a string but `str.splitlines` (httpx's `aiter_lines`,
+# many hand-written SSE readers) takes for line ends. The SSE format ends lines only at
+# CR and LF, so a compliant reader is unaffected, but a splitlines reader would get an
+# event cut mid-JSON whenever a model emits one of them; their JSON escapes decode to
+# the same text.
+_SPLITLINES_ONLY = re.compile("[\x85\u2028\u2029]")
+
+
+def sse_data(body: str) -> str:
+    """One JSON text as an SSE `data:` field, safe for splitlines-based readers."""
+    return _SPLITLINES_ONLY.sub(lambda m: f"\\u{ord(m.group()):04x}", body)
+
+
 def sse(payload: Any) -> str:
     body = payload.model_dump_json(exclude_unset=False) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {sse_data(body)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

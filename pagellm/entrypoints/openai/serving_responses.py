@@ -35,6 +35,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     as_openai_error,
     final_output,
     merge_generators,
+    sse_data,
 )
 
 DEFAULT_MAX_STORED_RESPONSES = 1000
@@ -263,7 +264,7 @@ class _EventWriter:
     def emit(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {sse_data(json.dumps(payload, ensure_ascii=False))}\n\n"
 
 
 class _StreamedItems:
