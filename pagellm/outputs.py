@@ -47,6 +47,10 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt finished this step: the pooled hidden state as
     # float32 bytes (not yet normalised; the frontend applies PoolingParams).
     pooler_output: dict[str, bytes] = field(default_factory=dict)
+    # Requests whose constraints left no token to sample (grammar, allowed_token_ids,
+    # bad_words and min_tokens that exclude each other): their list in
+    # sampled_token_ids holds only the tokens before that point, and they cannot go on.
+    no_token_req_ids: set[str] = field(default_factory=set)
 
 
 # -- user-facing -----------------------------------------------------------------------

@@ -33,6 +33,10 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+    # [B] bool, or None when no row could be left without a token: rows whose hard
+    # constraints (grammar, allowed_token_ids, bad_words, min_tokens) together forbid
+    # every token. Their sampled id is arbitrary and must not be used.
+    no_token: torch.Tensor | None = None
 
 
 def gather_logprobs(logprobs: torch.Tensor, num_top: int, chosen: torch.Tensor) -> LogprobsTensors:
@@ -81,6 +85,12 @@ class Sampler:
         #    greedy rows only read them (a 51 x 49152 copy is ~10 MB of fresh pages).
         logits = logits.to(torch.float32, copy=self.changes_logits(metadata))
         self.apply_constraints(logits, metadata)
+        no_token = None
+        if self.masks_tokens(metadata):
+            # Penalties, temperature and top-k/top-p never take a row's last token away.
+            no_token = logits.amax(dim=-1) == float("-inf")
+            if not bool(no_token.any()):
+                no_token = None
         if not metadata.no_penalties:
             self.apply_penalties(logits, metadata)
         # 3. Pick tokens.
@@ -89,7 +99,7 @@ class Sampler:
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = compute_logprobs(raw, metadata.max_num_logprobs or 0, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, no_token=no_token)
 
     __call__ = forward
 
@@ -102,6 +112,12 @@ class Sampler:
                     and metadata.allowed_token_ids_mask is None
                     and not metadata.bad_words_token_ids and not metadata.logit_bias
                     and not metadata.min_tokens)
+
+    @staticmethod
+    def masks_tokens(metadata: SamplingMetadata) -> bool:
+        """Whether a hard constraint may forbid tokens outright (set them to -inf)."""
+        return (metadata.token_bitmask is not None or metadata.allowed_token_ids_mask is not None
+                or bool(metadata.bad_words_token_ids) or bool(metadata.min_tokens))
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -387,11 +387,16 @@ class ModelRunner:
             self._attach_bitmask(sched, [req_ids[i] for i, c in zip(due, counts) for _ in range(c)], metadata)
         result = self.sampler.forward(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
+        no_token = result.no_token.tolist() if result.no_token is not None else None
         lp_lists = result.logprobs.tolists() if result.logprobs is not None else None
         start = 0
         for i, row, proposed, count in zip(due, due_rows, drafts, counts):
             picked = token_ids[start : start + count]
             kept = accepted_tokens(proposed, picked)
+            if no_token is not None and any(no_token[start : start + len(kept)]):
+                # Nothing was left to sample at this position: keep the tokens before it.
+                kept = kept[: no_token[start : start + len(kept)].index(True)]
+                out.no_token_req_ids.add(req_ids[i])
             sampled[i] = kept
             for tok in kept:
                 batch.append_token(row, tok)

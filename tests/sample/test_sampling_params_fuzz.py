@@ -62,7 +62,7 @@ KWARGS = st.fixed_dictionaries({}, optional={
     "repetition_penalty": _floats(0.01, 3.0, 0.0, -1.0),
     "max_tokens": _mostly(st.one_of(st.none(), st.integers(1, 6)), st.integers(-2, 0)),
     "min_tokens": _mostly(st.integers(0, 8), st.integers(-2, -1)),
-    "logprobs": _mostly(st.one_of(st.none(), st.integers(-1, 5)), st.just(-2)),
+    "logprobs": _mostly(st.one_of(st.none(), st.integers(-1, 5)), st.sampled_from([-2, MAX_LOGPROBS + 1])),
     "prompt_logprobs": _mostly(st.one_of(st.none(), st.integers(-1, 3)), st.just(-2)),
     "stop": st.one_of(st.none(), _TEXT, st.lists(_mostly(_TEXT, _BAD_TEXT), max_size=3)),
     "stop_token_ids": st.lists(_token_ids(), max_size=3),
@@ -194,4 +194,32 @@ def test_found_by_fuzzing(llm: LLM) -> None:
     assert top_k[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
     with pytest.raises(ValueError, match=rf"^priority must be a signed 64-bit integer, got {2**70}\.$"):
         llm.generate(PROMPT, SamplingParams(max_tokens=1), priority=[2**70], use_tqdm=False)
+    _assert_engine_empty(llm)
+
+
+def test_constraints_that_leave_no_token_finish_the_request(llm: LLM) -> None:
+    """Found by fuzzing: constraints that exclude each other once let the sampler pick a
+    token none allowed (token 0, outside allowed_token_ids). Now the request ends there
+    with finish_reason 'error' and the tokens it had before, and frees its blocks."""
+    eos = llm.get_tokenizer().eos_token_id
+    cases = [
+        SamplingParams(allowed_token_ids=[1], structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4),
+        SamplingParams(allowed_token_ids=[eos, 100], min_tokens=2, bad_words=[llm.get_tokenizer().decode([100])],
+                       temperature=1.0, seed=3),
+    ]
+    for params in cases:
+        (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+        (completion,) = out.outputs
+        assert (completion.token_ids, completion.finish_reason) == ([], "error"), params
+        _assert_engine_empty(llm)
+    # one token in: every two-token sequence of " a" and " b" is a bad word, so after
+    # the first token neither is left
+    tok = llm.get_tokenizer()
+    a, b = (tok.encode(w, add_special_tokens=False)[0] for w in (" a", " b"))
+    params = SamplingParams(allowed_token_ids=[a, b], bad_words=["a a", "a b", "b a", "b b"], max_tokens=4)
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    (completion,) = out.outputs
+    assert len(completion.token_ids) == 1 and completion.token_ids[0] in (a, b)
+    assert completion.finish_reason == "error"
     _assert_engine_empty(llm)

@@ -438,6 +438,10 @@ class Scheduler:
                 self._adapt_spec_k(request.request_id, len(drafts), num_accepted)
                 self.spec_totals.record(len(drafts), num_accepted)
             new_token_ids = self._append_and_check_stop(request, sampled)
+            if req_id in model_runner_output.no_token_req_ids and not request.is_finished():
+                logger.warning("Request %s: its constraints (grammar, allowed_token_ids, bad_words, "
+                               "min_tokens) leave no token to sample; finishing it.", req_id)
+                request.status = RequestStatus.FINISHED_ERROR
             if req_id in model_runner_output.pooler_output:  # a pooling request is done
                 request.status = RequestStatus.FINISHED_STOPPED
             if request.is_finished():
@@ -475,8 +479,8 @@ class Scheduler:
         if so is None or self.structured_output_manager is None:
             return False
         if not self.structured_output_manager.accept_token(request, token_id):
-            logger.warning("Request %s: token %d is not allowed by its grammar (other constraints leave it no token); finishing it.",
-                         request.request_id, token_id)
+            logger.warning("Request %s: token %d is not allowed by its grammar; finishing it.",
+                           request.request_id, token_id)
             request.status = RequestStatus.FINISHED_ERROR
             return True
         # A grammar that ends with a stop token ends the request even where the stop token
