@@ -31,6 +31,7 @@ from pagellm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from pagellm.platforms import platform_of
 from pagellm.utils import cdiv
 
 
@@ -280,7 +281,7 @@ class TorchAttentionImpl(AttentionImpl):
         None: plain scores. The C decode kernel caps them itself; SDPA takes no cap, so a
         capped layer's prompt chunks attend with `_prefill_math`."""
         self.group = num_heads // num_kv_heads  # query heads per KV head (GQA)
-        self.kernels = c_kernels()
+        self.kernels = platform_of("cpu").kernels()
         """pagellm's C kernels for CPU caches (decode and the cache write), or None: the
         torch ops below then do the same work."""
 
@@ -513,13 +514,6 @@ def _prefill_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: Pref
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 """scaled_dot_product_attention takes `enable_gqa` (torch 2.5+)."""
-
-
-def c_kernels() -> Any:
-    """The C kernel library where it can be built, else None (see pagellm.kernels)."""
-    from pagellm.kernels import load_kernels
-
-    return load_kernels()
 
 
 KV_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

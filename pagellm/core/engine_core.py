@@ -24,6 +24,7 @@ from pagellm.core.protocol import EngineCoreOutputs, EngineCoreReadyResponse, En
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.logger import init_logger
+from pagellm.platforms import platform_of
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.model_runner import ModelRunner
 
@@ -197,10 +198,5 @@ def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:
 
 
 def _set_num_threads(config: EngineConfig) -> None:
-    """Data-parallel engines on one CPU share its cores instead of oversubscribing them."""
-    threads = envs.PAGELLM_NUM_THREADS
-    dp = config.parallel_config.data_parallel_size
-    if threads <= 0 and config.device_config.device == "cpu" and dp > 1:
-        threads = max(1, (os.cpu_count() or 1) // dp)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    platform_of(config.device_config.device).set_num_threads(
+        config.parallel_config.data_parallel_size, envs.PAGELLM_NUM_THREADS)

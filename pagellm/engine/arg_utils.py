@@ -11,11 +11,9 @@ import argparse
 import ast
 import dataclasses
 import functools
-import importlib.util
 import inspect
 import math
 import os
-import re
 import sys
 import textwrap
 import warnings
@@ -38,6 +36,7 @@ from pagellm.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from pagellm.platforms import platform_of, resolve_device
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
 
@@ -77,26 +76,6 @@ _DTYPES = {  # name -> torch attribute
 
 _KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 """Values of EngineArgs.kv_cache_dtype."""
-
-
-def torch_build_has_gpu() -> bool:
-    """Whether the installed torch was built with CUDA or ROCm, read from its version.py
-    without importing torch (seconds): a CPU-only build answers `cuda.is_available()`
-    False, so the frontend resolves device 'auto' to 'cpu' without torch. True when
-    unsure (torch then answers)."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.version.cuda is not None or torch.version.hip is not None
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return True
-    try:
-        with open(os.path.join(spec.submodule_search_locations[0], "version.py")) as f:
-            text = f.read()
-    except OSError:
-        return True
-    builds = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.M))
-    return builds != {"cuda": "None", "hip": "None"}
 
 
 @dataclass
@@ -470,30 +449,21 @@ class EngineArgs:
             get_reasoning_parser(parser)  # ValueError naming the accepted parsers
 
     def _resolve_device(self) -> str:
-        if self.device == "cpu" or (self.device == "auto" and not torch_build_has_gpu()):
-            return "cpu"
-        import torch
-
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was requested but CUDA is not available.")
-        return self.device
+        return resolve_device(self.device)
 
     def _resolve_dtype(self, hf_config: Any, device: str) -> str:
         """The compute dtype's name (see ModelConfig.dtype); imports torch only to ask a GPU."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
-        if device == "cpu":
-            return "float32"
+        platform = platform_of(device)
+        if platform.device_type == "cpu":
+            return platform.default_dtype(None)
         import torch
 
         ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(ckpt, str):
             ckpt = getattr(torch, _DTYPES[ckpt]) if ckpt in _DTYPES else None
-        if ckpt in (torch.float16, torch.bfloat16):
-            return str(ckpt).removeprefix("torch.")
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return platform.default_dtype(ckpt)
 
     def _resolve_kv_cache_dtype(self, model_config: ModelConfig, device: str) -> str:
         """The KV cache dtype's name (see the kv_cache_dtype field): a fixed rule of the

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from pagellm.platforms import kernels_for
+
 _NEG_INF = float("-inf")
 
 
@@ -17,12 +19,9 @@ def _row_kernels(logits: torch.Tensor) -> Any:
     """pagellm's C kernels when `logits` are float32 CPU rows with contiguous columns (what
     kernels/sampling.c takes), else None: the callers then run torch's ops (other devices,
     dtypes, layouts, or no C compiler)."""
-    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
-            or logits.stride(1) != 1 or logits.shape[1] == 0):
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
         return None
-    from pagellm.kernels import load_kernels
-
-    return load_kernels()
+    return kernels_for(logits)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import torch
 
 from pagellm.attention import get_attn_backend
@@ -28,6 +27,7 @@ from pagellm.config import EngineConfig
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.pooler import Pooler
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
+from pagellm.platforms import platform_of
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection_sampler import accepted_tokens
 from pagellm.sample.sampler import Sampler, compute_prompt_logprobs
@@ -39,9 +39,6 @@ from pagellm.worker.huge_pages import KVHugePages
 from pagellm.worker.input_batch import NO_LOGPROBS, CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
-
-_CPU_KV_CAP_BYTES = 4 << 30
-
 
 @functools.cache
 def _pause_progress_while_compiling() -> None:
@@ -66,6 +63,7 @@ class ModelRunner:
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device_config.device)
+        self.platform = platform_of(self.device)
         self.dtype = self.model_config.torch_dtype
         self.kv_dtype: torch.dtype = getattr(torch, self.cache_config.cache_dtype)
         self.block_size = self.cache_config.block_size
@@ -134,14 +132,9 @@ class ModelRunner:
         useful = self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size) + 1
         if self.model_config.is_encoder_only:
             return useful  # blocks that only count tokens: no memory behind them
-        if cc.kv_cache_memory_bytes is not None:
-            budget = cc.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used
-        else:
-            budget = min(int(psutil.virtual_memory().available * cc.gpu_memory_utilization * 0.5), _CPU_KV_CAP_BYTES)
+        budget = cc.kv_cache_memory_bytes
+        if budget is None:
+            budget = self.platform.kv_cache_budget(self.device, cc)
         num_blocks = min(budget // self.kv_bytes_per_block(), useful)
         if num_blocks < 2:
             raise ValueError(
@@ -167,7 +160,7 @@ class ModelRunner:
         ]
         self._block_zeroed = np.zeros(num_blocks, dtype=bool)
         self._huge_pages = None
-        if self.device.type == "cpu" and self.kv_caches:
+        if self.platform.kv_in_host_memory and self.kv_caches:
             self._huge_pages = KVHugePages(
                 [(t.data_ptr(), t.untyped_storage().nbytes()) for kv in self.kv_caches for t in kv],
                 self.kv_caches[0][0].stride(0) * self.kv_caches[0][0].element_size(), num_blocks,

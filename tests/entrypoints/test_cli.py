@@ -154,7 +154,7 @@ def test_import_pagellm_and_its_public_names_stay_light() -> None:
 
 def test_torch_build_has_gpu_reads_what_torch_reports() -> None:
     """Read from torch's version.py without importing torch; the same answer torch gives."""
-    code = ("import sys; from pagellm.engine.arg_utils import torch_build_has_gpu; "
+    code = ("import sys; from pagellm.platforms import torch_build_has_gpu; "
             "before = torch_build_has_gpu(); loaded = 'torch' in sys.modules; import torch; "
             "print(before, loaded, torch.version.cuda is not None or torch.version.hip is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

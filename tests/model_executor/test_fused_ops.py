@@ -48,7 +48,7 @@ def test_add_rms_norm_equals_add_then_norm(
     x, residual = _rows(t, n, pad, seed=2), _rows(t, n, pad + 2, seed=3)
     res = residual if with_residual else None
     norm.kernels = None
-    want_out, want_res = norm._add_norm_torch(x.clone(), None if res is None else res.clone())
+    want_out, want_res = norm.forward_native(x.clone(), None if res is None else res.clone())
     norm.kernels = lib
     x_c = x.clone() if pad == 0 else _rows(t, n, pad, seed=2)  # keep the stride
     got_out, got_res = norm.forward(x_c, res) if with_residual else (norm.forward_single(x_c), x_c)
@@ -85,7 +85,7 @@ def test_silu_and_mul_equals_silu_times_up(lib: Any, t: int, i: int, pad: int) -
     act = SiluAndMul()
     act.kernels = lib
     got = act.forward(x)
-    torch.testing.assert_close(got, SiluAndMul.forward_torch(x), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got, SiluAndMul().forward_native(x), rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("t,i,pad", [(1, 1537, 0), (3, 7, 3), (2, 1, 0)])
@@ -97,7 +97,7 @@ def test_gelu_tanh_and_mul_equals_torch_gelu_times_up(lib: Any, t: int, i: int, 
     x[0, :2] = torch.tensor([-60.0, 55.0])[: min(2, i)]
     act = GeluAndMul("tanh")
     act.kernels = lib
-    torch.testing.assert_close(act.forward(x), act.forward_torch(x), rtol=4e-6, atol=2e-6)
+    torch.testing.assert_close(act.forward(x), act.forward_native(x), rtol=4e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("t,nq,nk,d,pad", [(1, 4, 1, 256, 0), (3, 5, 2, 10, 7)])

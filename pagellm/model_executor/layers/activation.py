@@ -1,8 +1,8 @@
 """Gated activation: the fused gate_up projection output [T, 2*I] becomes act(gate) * up
 [T, I]. SiLU (Llama, Qwen, Mistral) or GELU (Gemma: tanh-approximated). float32 rows on
 the CPU take one C pass (`pg_silu_and_mul`, `pg_gelu_tanh_and_mul`,
-pagellm/kernels/layer_ops.c); `forward_torch` is the reference (torch's ops, which
-Hugging Face's activations call). The erf GELU always runs torch's op."""
+pagellm/kernels/layer_ops.c: `forward_cpu`); `forward_native` is the reference (torch's
+ops, which Hugging Face's activations call). The erf GELU always runs torch's op."""
 
 from __future__ import annotations
 
@@ -10,39 +10,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import load_kernels
+from pagellm.model_executor.custom_op import CustomOp
 
 
-class _GatedActivation(nn.Module):
+class _GatedActivation(CustomOp):
     """act(gate) * up; float32 CPU rows through the C pass named `c_kernel` (where the
-    kernels built and the subclass has one), else the subclass's `forward_torch`."""
+    kernels built and the subclass has one), else the subclass's `forward_native`."""
 
     c_kernel = ""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = load_kernels() if self.c_kernel else None
-        """pagellm's C kernels, or None (no compiler, no C pass): `forward_torch` runs."""
+    def has_cpu_kernel(self) -> bool:
+        return bool(self.c_kernel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         lib = self.kernels
-        if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1
-                or x.device.type != "cpu"):
-            return self.forward_torch(x)
+        if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+            return self.forward_native(x)
         t, d = x.shape[0], x.shape[1] // 2
         out = torch.empty(t, d, dtype=torch.float32)
         getattr(lib, self.c_kernel)(x.data_ptr(), x.stride(0), t, d, out.data_ptr(), d)
         return out
 
-    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
 
 class SiluAndMul(_GatedActivation):
     c_kernel = "pg_silu_and_mul"
 
-    @staticmethod
-    def forward_torch(x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
 
@@ -54,7 +47,7 @@ class GeluAndMul(_GatedActivation):
         self.c_kernel = "pg_gelu_tanh_and_mul" if approximate == "tanh" else ""
         super().__init__()
 
-    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.gelu(x[..., :d], approximate=self.approximate).mul_(x[..., d:])
 

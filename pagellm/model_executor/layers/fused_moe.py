@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.activation import SiluAndMul
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.quantization.gguf import (
@@ -35,6 +34,7 @@ from pagellm.model_executor.layers.quantization.gguf import (
     gguf_matmul,
     int8_rows,
 )
+from pagellm.platforms import kernels_for, platform_of
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -50,8 +50,8 @@ class FusedMoE(nn.Module):
         """Scale the chosen probabilities to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
         self.prefix = prefix
         self.act = SiluAndMul()
-        self.kernels = load_kernels()
-        """pagellm's C kernels (routing), or None: torch's softmax and topk."""
+        self.kernels = platform_of("cpu").kernels()
+        """pagellm's C kernels (routing CPU logits), or None: torch's softmax and topk."""
         self.gguf = quant_config is not None and quant_config.get_name() == "gguf"
         e, h, i = num_experts, hidden_size, intermediate_size
         if self.gguf:
@@ -133,9 +133,8 @@ class FusedMoE(nn.Module):
         the experts in float32, the top_k, renormalised where the family does. float32
         logits on the CPU take the C pass the one-region stack also routes with
         (`pg_moe_route`), so both paths pick the same experts."""
-        lib = self.kernels
-        if (lib is not None and router_logits.dtype == torch.float32
-                and router_logits.device.type == "cpu" and router_logits.dim() == 2):
+        lib = self.kernels if kernels_for(router_logits) is not None else None
+        if lib is not None and router_logits.dtype == torch.float32 and router_logits.dim() == 2:
             logits = router_logits.contiguous()
             t, e = logits.shape
             probs = torch.empty(t, e, dtype=torch.float32)

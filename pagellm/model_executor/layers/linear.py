@@ -25,6 +25,7 @@ from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
+from pagellm.platforms import kernels_for
 
 KERNEL_MAX_ROWS = 8
 """Input rows up to which a CPU float32 linear runs the C kernel on a plain
@@ -89,8 +90,8 @@ def dense_f32_weight(weight: torch.Tensor, packed: torch.Tensor | None) -> Dense
     or None where they do not apply. A packed copy is accepted only after the kernel found
     every value of `weight` where its layout says (the layout is oneDNN's choice, not a
     promise: another CPU or torch may pick another, which is then refused)."""
-    lib = load_kernels()
-    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    lib = kernels_for(weight)
+    if lib is None or weight.dtype != torch.float32:
         return None
     weight = weight.detach()
     n, k = weight.shape

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.kernels import load_kernels
 from pagellm.model_executor.arch_config import context_length, rope_dict
+from pagellm.platforms import kernels_for, platform_of
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -185,8 +185,9 @@ class RotaryEmbedding(nn.Module):
                              "number from 2 to head_dim")
         self.max_position = max_position
         self.rope = rope
-        self.kernels = load_kernels()
-        """pagellm's C kernels, or None (no compiler): `rotate_torch` then runs."""
+        self.kernels = platform_of("cpu").kernels()
+        """pagellm's C kernels for CPU tables, or None (no compiler): `rotate_torch` then
+        runs, as it does for tables on a device without them."""
         cos, sin = self._compute_tables()
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -218,11 +219,8 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The step's rope inputs for positions [T] and activations of `dtype`."""
         positions = positions.to(torch.int64).contiguous()
-        use_c = (
-            self.kernels is not None
-            and dtype == self.cos_cache.dtype == torch.float32
-            and self.cos_cache.device.type == "cpu"
-        )
+        use_c = (self.kernels is not None and kernels_for(self.cos_cache) is not None
+                 and dtype == self.cos_cache.dtype == torch.float32)
         if use_c and positions.numel() and int(positions.max()) >= self.max_position:
             # the C pass reads table rows unchecked; index_select's error instead
             raise IndexError(f"position {int(positions.max())} is past the rope tables' "

@@ -110,8 +110,16 @@ def test_text_reply_equals_the_chat_reply_streamed_and_not(server) -> None:
     raw = httpx.post(server.url + "/v1/messages", headers={"x-api-key": server.api_key}, timeout=60,
                      json={"model": model, "max_tokens": 3, "messages": ASK, "stream": True, **GREEDY})
     kinds = [line.removeprefix("event: ") for line in raw.text.splitlines() if line.startswith("event: ")]
-    assert kinds == ["message_start", "ping", "content_block_start", *["content_block_delta"] * 3,
-                     "content_block_stop", "message_delta", "message_stop"]
+    # One delta per token, unless the server merged the deltas of a stream its writer
+    # had fallen behind on (AsyncLLM's collector does, as vLLM's): 1 to 3 of them.
+    deltas = kinds.count("content_block_delta")
+    assert 1 <= deltas <= 3 and kinds == [
+        "message_start", "ping", "content_block_start", *["content_block_delta"] * deltas,
+        "content_block_stop", "message_delta", "message_stop"]
+    texts = [json.loads(line[6:])["delta"]["text"] for line in raw.text.splitlines()
+             if line.startswith("data: ") and '"content_block_delta"' in line]
+    short = client.messages.create(**{**body, "max_tokens": 3})
+    assert "".join(texts) == short.content[0].text
 
 
 def test_a_tool_round_trip(server) -> None:

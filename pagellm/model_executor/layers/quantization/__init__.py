@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagellm.logger import init_logger
+from pagellm.platforms import platform_of
 
 if TYPE_CHECKING:
     from pagellm.model_executor.layers.quantization.base_config import (
@@ -89,7 +90,7 @@ def _resolve_method(requested: str | None, model_path: str, device: str) -> str 
     if requested is None:
         if not is_gguf:
             return None
-        if device != "cpu":
+        if not platform_of(device).runs_gguf_blocks:
             logger.info("GGUF weights are dequantized at load on %s (quantized kernels are CPU only)", device)
             return None
         from pagellm import kernels
@@ -111,7 +112,7 @@ def _resolve_method(requested: str | None, model_path: str, device: str) -> str 
         )
     if requested == "gguf" and not is_gguf:
         raise ValueError(f"quantization='gguf' needs a .gguf model file; {model_path} is not one")
-    if device != "cpu":
+    if not platform_of(device).runs_gguf_blocks:
         raise ValueError(f"quantization={requested!r} runs on CPU only; got device={device!r}")
     from pagellm.kernels import load_kernels
 
