@@ -41,6 +41,7 @@ async def one_run(url: str, model_kind: str, city: str) -> list[dict]:
     from agents import (
         Agent,
         MaxTurnsExceeded,
+        ModelBehaviorError,
         ModelSettings,
         OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
@@ -71,11 +72,14 @@ async def one_run(url: str, model_kind: str, city: str) -> list[dict]:
         return f"Sunny, 21 C in {city}"
 
     agent = Agent(name="weather", model=model, tools=[get_weather], instructions="You tell the weather.",
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=256))
     try:
-        await Runner.run(agent, f"What is the weather like in {city} today?", max_turns=4, hooks=Marks())
+        async with client:  # closed inside this event loop (asyncio.run closes it after)
+            await Runner.run(agent, f"What is the weather like in {city} today?", max_turns=4, hooks=Marks())
     except MaxTurnsExceeded:
         pass  # the small model may call the tool again: every turn is still counted
+    except ModelBehaviorError as e:  # a reply cut at max_tokens: the turns before it count
+        print(f"  (run ended early: {e})")
     return turns
 
 

@@ -13,8 +13,9 @@ None) and is cut into the parts' rows here (`split_rows`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,13 +135,32 @@ def dense_f32_matmul(w: DenseF32Weight, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+class PostOp(NamedTuple):
+    """An elementwise activation applied to a linear's output: in torch (`fn`), or fused
+    into oneDNN's product as its post-op `attr` with `algorithm`, which writes the
+    activated output in the same pass (`packed_linear`)."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    attr: str
+    algorithm: str = ""
+
+
+GELU = PostOp(lambda y: F.gelu(y), "gelu", "none")
+GELU_TANH = PostOp(lambda y: F.gelu(y, approximate="tanh"), "gelu", "tanh")
+RELU = PostOp(F.relu, "relu")
+
+
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+    post_op: PostOp | None = None,
 ) -> torch.Tensor:
-    """y = x @ W.T + bias with W from `pack_weight`; x [T, in] -> y [T, out] contiguous."""
+    """y = x @ W.T + bias with W from `pack_weight`, then `post_op` in the same pass;
+    x [T, in] -> y [T, out] contiguous."""
     if torch.compiler.is_compiling():
-        return _packed_linear_op(x, packed, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        y = _packed_linear_op(x, packed, bias)
+        return y if post_op is None else post_op.fn(y)
+    attr, algorithm = ("none", "") if post_op is None else (post_op.attr, post_op.algorithm)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, attr, [], algorithm)
 
 
 @torch.library.custom_op("pagellm::packed_linear", mutates_args=())
@@ -221,6 +241,15 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
             return packed_linear(x, layer.packed_weight, bias)
         return linear(x, layer.weight, bias)
 
+    def apply_activated(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                        post_op: PostOp) -> torch.Tensor:
+        """post_op(x @ W.T + bias): in oneDNN's pass where it multiplies (many rows)."""
+        dense = layer.dense_f32
+        if (layer.packed_weight is not None
+                and not (dense is not None and x.dim() == 2 and x.shape[0] <= dense.max_rows)):
+            return packed_linear(x, layer.packed_weight, bias, post_op)
+        return post_op.fn(self.apply(layer, x, bias))
+
 
 def split_rows(loaded: Any, sizes: list[int], name: str = "") -> list[Any]:
     """A checkpoint tensor of a whole fused layer [sum(sizes), ...] cut into its parts'
@@ -291,6 +320,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def forward_activated(self, x: torch.Tensor, post_op: PostOp) -> torch.Tensor:
+        """post_op(forward(x)), fused into the product where the method can."""
+        fused = getattr(self.quant_method, "apply_activated", None)
+        if fused is None:
+            return post_op.fn(self.forward(x))
+        return fused(self, x, self.bias, post_op)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

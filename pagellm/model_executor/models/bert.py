@@ -20,17 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.model_executor.layers.linear import Embedding, Linear, MergedLinear
+from pagellm.model_executor.layers.linear import (
+    GELU,
+    GELU_TANH,
+    RELU,
+    Embedding,
+    Linear,
+    MergedLinear,
+)
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.models.llama import load_checkpoint_tensor
 from pagellm.utils import PROGRESS
 
-_ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+_ACTIVATIONS = {"gelu": GELU, "gelu_new": GELU_TANH, "gelu_pytorch_tanh": GELU_TANH, "relu": RELU}
+"""hidden_act -> the MLP's activation, fused into its first product where oneDNN multiplies."""
 
 # Hugging Face's q/k/v names -> the fused projection's part names (llama.STACKED_PARAMS)
 _RENAMES = {".attention.self.query.": ".attention.self.q_proj.",
@@ -107,7 +110,7 @@ class BertLayer(nn.Module):
         qkv = self.attention.self.qkv_proj.forward(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         attended = batch.attend(qkv).reshape(x.shape)
         x = self.attention.output.forward(attended, x)
-        return self.output.forward(self.act(self.intermediate.dense.forward(x)), x)
+        return self.output.forward(self.intermediate.dense.forward_activated(x, self.act), x)
 
 
 class _Requests:
@@ -127,19 +130,25 @@ class _Requests:
         if not self.single:
             width = int(lengths.max())
             cols = torch.arange(width, device=positions.device)
-            self.valid = cols[None, :] < lengths[:, None]  # [B, L]
-            self.index = (starts[:, None] + cols[None, :]).clamp_(max=total - 1)  # [B, L]
-            self.mask = self.valid[:, None, None, :]  # keys each query may see
+            valid = cols[None, :] < lengths[:, None]  # [B, L]
+            self.shape = tuple(valid.shape)
+            # index_select over flat rows: a third faster than indexing with [B, L] or a
+            # boolean mask (the gathers took half of attention's time)
+            self.rows = (starts[:, None] + cols[None, :]).clamp_(max=total - 1).flatten()  # [B*L]
+            self.valid_rows = valid.flatten().nonzero().flatten()  # [T], the flat order
+            self.mask = valid[:, None, None, :]  # keys each query may see
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, 3, H, D] -> attention output [T, H, D], each request by itself."""
         if self.single:
             q, k, v = qkv.permute(1, 2, 0, 3)  # each [H, T, D]
             return F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
-        padded = qkv[self.index]  # [B, L, 3, H, D]
+        b, width = self.shape
+        _, _, h, d = qkv.shape
+        padded = qkv.index_select(0, self.rows).view(b, width, 3, h, d)
         q, k, v = padded.permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-        return out.transpose(1, 2)[self.valid]  # [T, H, D], the flat order
+        return out.transpose(1, 2).reshape(b * width, h, d).index_select(0, self.valid_rows)
 
 
 class _Encoder(nn.Module):
