@@ -92,37 +92,37 @@ class EngineArgs:
     """Random seed for sampling without a per-request seed."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) in tokens; defaults to the model's context length."""
-    max_logprobs: int = 20
+    max_logprobs: int = ModelConfig.max_logprobs
     """Most logprobs (and prompt logprobs) per token a request may ask for; -1 allows the whole vocabulary. A request over it is refused (a ValueError offline, a 400 on the server)."""
     device: str = "auto"
     """Device: auto, cpu or cuda."""
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     """Tokens per KV cache block."""
-    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     """KV cache size in bytes; overrides gpu_memory_utilization."""
     kv_cache_dtype: str = "auto"
     """KV cache storage: auto, float32, float16 or bfloat16 (vLLM's flag; fp8 is not supported). Keys and values are rounded to it as they are written; attention computes in float32. 'auto' is the compute dtype, except on CPU for a GGUF file on the int8-activation path (its default), where it is float16: half the memory, and the C decode attention reads it faster than float32 at every context length measured. The exact paths keep float32 (their greedy parity with transformers)."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     """Fraction of device memory for the engine (CUDA). On CPU the KV cache takes half this fraction of the available RAM (the other half is left to activations, the frontend and the rest of the machine), capped at 4 GiB, unless kv_cache_memory_bytes is given."""
-    num_gpu_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     """Use exactly this many KV blocks (testing)."""
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     """Reuse the KV cache of shared prompt prefixes across requests."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     """Maximum number of requests in one batch."""
     max_num_batched_tokens: int | None = None
     """Token budget per engine step; defaults to 2048 (at least max_model_len without chunked prefill)."""
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     """Split long prompts into chunks that share steps with decodes."""
     scheduling_policy: str = "fcfs"
     """Scheduling policy: fcfs (arrival order) or priority (lower value first)."""
-    data_parallel_size: int = 1
+    data_parallel_size: int = ParallelConfig.data_parallel_size
     """Number of engine-core processes, each with a full model replica."""
-    data_parallel_rank: int | None = None
+    data_parallel_rank: int | None = ParallelConfig.data_parallel_rank
     """With external load balancing, the rank this server drives."""
-    data_parallel_external_lb: bool = False
+    data_parallel_external_lb: bool = ParallelConfig.data_parallel_external_lb
     """An external router balances load; this frontend talks to one data-parallel rank."""
-    restart_engine_on_failure: bool = False
+    restart_engine_on_failure: bool = ParallelConfig.restart_engine_on_failure
     """Server only: when an engine-core process dies (killed, out of memory, an error in the
     model), fail its in-flight requests with 503, start a new one with the same config and
     serve again (/health is 503 meanwhile; with data parallelism only the dead rank restarts).
@@ -137,9 +137,9 @@ class EngineArgs:
     """Tensor parallelism (only 1 is supported)."""
     quantization: str | None = None
     """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
-    gguf_activations: str = "auto"
+    gguf_activations: str = ModelConfig.gguf_activations
     """Activations of a GGUF file's linears: 'q8' rounds decode rows (up to 16 a step) to int8 per 32 values and multiplies in integers, as llama.cpp does (the head's in two int8 levels), and prompt rows (and decodes past 16) too where the CPU has AVX-512 VNNI (an int8 GEMM; else they multiply float32); 'q8x2' rounds every int8 row in two levels (x ~ d1 q1 + d2 q2: the exact path's greedy tokens on real text, 0.6-0.8x q8's decode speed); 'float32' keeps the exact path (the file's weights times float32 activations, greedy parity with transformers); 'auto' is q8 where this CPU has the int8 kernels (x86 with AVX2; AVX-512 VNNI where present), else float32. PAGELLM_GGUF_ACTIVATIONS, when set, replaces 'auto'."""
-    attention_backend: str = "torch"
+    attention_backend: str = AttentionConfig.backend
     """Attention backend (pagellm.attention): 'torch' (paged KV cache, SDPA prefill, embedding_bag decode)."""
     compilation_config: Any = None
     """torch.compile settings: an int mode (0 = eager, >= 1 = compile the forward) or a dict
@@ -177,7 +177,7 @@ class EngineArgs:
     fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}. Default: the
     model's sentence-transformers config (modules.json, 1_Pooling/config.json), else last
     token, normalised (vLLM's default for decoder models)."""
-    disable_log_stats: bool = False
+    disable_log_stats: bool = ObservabilityConfig.disable_log_stats
     """Do not log throughput statistics periodically."""
     trust_remote_code: bool = False
     """Accepted for vLLM compatibility; pagellm only runs its own model code."""

@@ -11,6 +11,7 @@ A new method goes in a module here and one line in `QUANTIZATION_METHODS`.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from pagellm.logger import init_logger
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-QUANTIZATION_METHODS = ("gguf",)
-"""Names `--quantization` takes besides 'none' (dequantize / keep the checkpoint dtype)."""
+QUANTIZATION_METHODS = {"gguf": "pagellm.model_executor.layers.quantization.gguf.GGUFConfig"}
+"""The registry: each name `--quantization` takes besides 'none' (dequantize / keep the
+checkpoint dtype), and its `QuantizationConfig` class (imported when a model uses it:
+the frontend checks names without torch)."""
 
 
 GGUF_ACTIVATIONS = ("auto", "float32", "q8", "q8x2")
@@ -129,12 +132,10 @@ def get_quantization_config(model_config: Any) -> QuantizationConfig | None:
     name = getattr(model_config, "quantization", None)
     if name is None:
         return None
-    if name == "gguf":
-        from pagellm.model_executor.layers.quantization.gguf import GGUFConfig
-
-        activations = resolve_gguf_activations(getattr(model_config, "gguf_activations", "auto"))
-        return GGUFConfig(activations)
-    raise ValueError(f"unknown quantization method {name!r}")
+    if name not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization method {name!r}")
+    module, cls = QUANTIZATION_METHODS[name].rsplit(".", 1)
+    return getattr(importlib.import_module(module), cls).from_model_config(model_config)
 
 
 __all__ = [

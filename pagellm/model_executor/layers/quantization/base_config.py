@@ -46,6 +46,11 @@ class QuantizationConfig(ABC):
     def get_name(cls) -> str:
         """The name `--quantization` takes."""
 
+    @classmethod
+    @abstractmethod
+    def from_model_config(cls, model_config: Any) -> QuantizationConfig:
+        """The config for a model (ModelConfig: its path, its method's options)."""
+
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer` (named `prefix` in the checkpoint's HF naming), or None

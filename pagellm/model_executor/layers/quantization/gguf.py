@@ -100,6 +100,12 @@ class GGUFConfig(QuantizationConfig):
     gguf_activations) rounds decode-sized inputs to int8 per 32 values and multiplies in
     integers, as llama.cpp does; "float32" is the exact path."""
 
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> GGUFConfig:
+        from pagellm.model_executor.layers.quantization import resolve_gguf_activations
+
+        return cls(resolve_gguf_activations(getattr(model_config, "gguf_activations", "auto")))
+
     def __init__(self, activations: str = "float32") -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"GGUF activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
