@@ -89,8 +89,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("serve_flags", nargs="*", help="extra flags for pagellm serve (after --)")
     args = ap.parse_args()
-    with local_server(args.model, args.serve_flags) as (_, url):
-        for kind in ("responses", "chat"):
+    for kind in ("responses", "chat"):
+        # a server of its own per kind: the other kind's turns would be in its cache
+        with local_server(args.model, args.serve_flags) as (_, url):
             later_queried = later_computed = 0.0
             worst = 0.0
             print(f"Agents SDK, {kind} model: per turn prompt tokens / computed (new since the last prompt)")

@@ -37,10 +37,12 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 from pagellm import envs
 from pagellm.logger import init_logger
@@ -200,4 +202,45 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gemm_f32_blocked.restype = ctypes.c_int
     lib.pg_f32_blocked_tiles.argtypes = [i64]
     lib.pg_f32_blocked_tiles.restype = ctypes.c_int
+    signatures = c_signatures(b"".join(open(p, "rb").read() for p in _SOURCES).decode())
+    check_bindings({name: (fn.argtypes, fn.restype) for name in signatures
+                    if (fn := getattr(lib, name)).argtypes is not None}, signatures)
     return lib
+
+
+_C_RESTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+"""C return types of the exported functions -> their ctypes restype."""
+
+
+def c_signatures(source: str) -> dict[str, tuple[str, int]]:
+    """The exported (non-static) `pg_*` functions defined in C `source`: name -> (return
+    type, number of parameters). A plain reading of the definitions, which the kernels
+    keep to: one return type word, no function-pointer parameters."""
+    source = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
+    source = re.sub(r"//[^\n]*", " ", source)
+    out = {}
+    for ret, name, params in re.findall(r"(?:^|\n)([A-Za-z_][\w \t*]*?)\b(pg_\w+)\s*\(([^()]*)\)\s*\{", source):
+        words = ret.split()
+        if "static" in words:
+            continue
+        params = params.strip()
+        out[name] = (words[-1], 0 if params in ("", "void") else params.count(",") + 1)
+    return out
+
+
+def check_bindings(bound: dict[str, tuple[Any, Any]], signatures: dict[str, tuple[str, int]]) -> None:
+    """Raises naming every bound function whose ctypes declaration (argtypes, restype)
+    disagrees with its C definition in parameter count or return type: ctypes would
+    pass the arguments anyway and the kernel read garbage."""
+    problems = []
+    for name, (argtypes, restype) in sorted(bound.items()):
+        if name not in signatures:
+            problems.append(f"{name}: declared in Python, not defined in the C sources")
+            continue
+        ret, count = signatures[name]
+        if len(argtypes) != count:
+            problems.append(f"{name}: {len(argtypes)} argtypes, the C function takes {count}")
+        if ret not in _C_RESTYPES or _C_RESTYPES[ret] is not restype:
+            problems.append(f"{name}: restype {getattr(restype, '__name__', restype)}, the C function returns {ret}")
+    if problems:
+        raise RuntimeError("pagellm's C kernel bindings disagree with the sources: " + "; ".join(problems))
