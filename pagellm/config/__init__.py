@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagellm.config.arch_config import head_dim_of, num_kv_heads_of
+
 if TYPE_CHECKING:  # the CLI parses and checks flags without loading torch
     import torch
 
@@ -121,14 +123,10 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        from pagellm.model_executor.arch_config import num_kv_heads_of
-
         return num_kv_heads_of(self.hf_config)
 
     @property
     def head_dim(self) -> int:
-        from pagellm.model_executor.arch_config import head_dim_of
-
         return head_dim_of(self.hf_config)
 
     def eos_token_ids(self, tokenizer: Any) -> tuple[int | None, list[int]]:

@@ -7,6 +7,7 @@ EngineCoreProc wraps it in a process; InprocClient calls it directly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import os
@@ -24,6 +25,7 @@ from pagellm.core.protocol import EngineCoreOutputs, EngineCoreReadyResponse, En
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched.scheduler import Scheduler
 from pagellm.logger import init_logger
+from pagellm.model_executor.loader import load_tokenizer
 from pagellm.platforms import platform_of
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.model_runner import ModelRunner
@@ -59,7 +61,9 @@ class EngineCore:
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=num_blocks)
         )
-        self.structured_output_manager = StructuredOutputManager(self.config)
+        mc = self.config.model_config
+        self.structured_output_manager = StructuredOutputManager(
+            self.config, functools.partial(load_tokenizer, mc.model_path, mc.tokenizer))
         self.scheduler = Scheduler(
             self.config.scheduler_config,
             self.config.cache_config,

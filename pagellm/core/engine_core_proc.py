@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from pagellm.core import serial
+from pagellm.core import ENGINE_STOP_SIGNAL, serial
 from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import (
     ENGINE_CORE_DEAD,
@@ -35,7 +35,6 @@ from pagellm.core.protocol import (
     engine_identity,
     heartbeat_frame,
 )
-from pagellm.engine.prestart import ENGINE_STOP_SIGNAL
 from pagellm.logger import init_logger
 from pagellm.utils import PROGRESS
 

@@ -481,7 +481,7 @@ class EngineArgs:
         return resolve_quantization(self.quantization, model_path, device)
 
     def _resolve_max_model_len(self, hf_config: Any, model_path: str) -> int:
-        from pagellm.model_executor.arch_config import context_length
+        from pagellm.config.arch_config import context_length
         from pagellm.model_executor.loader import sentence_transformers_max_len
 
         limit = context_length(hf_config, default=2048)

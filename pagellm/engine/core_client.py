@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.core import serial
+from pagellm.core import ENGINE_STOP_SIGNAL, serial
 from pagellm.core.protocol import (
     ENGINE_CORE_BEAT,
     ENGINE_CORE_DEAD,
@@ -47,7 +47,6 @@ from pagellm.core.protocol import (
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
 from pagellm.engine.prestart import (
-    ENGINE_STOP_SIGNAL,
     claim_prestarted,
     launch_engine_process,
     socket_addresses,

@@ -16,13 +16,13 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
 from pagellm import envs
+from pagellm.core import ENGINE_STOP_SIGNAL
 
 
 @dataclass
@@ -36,12 +36,6 @@ class PrestartedEngine:
 
 _waiting: PrestartedEngine | None = None
 
-
-ENGINE_STOP_SIGNAL = signal.SIGUSR1
-"""How a frontend tells its engine-core process to stop (`stop_engine_process`). Engine cores
-ignore SIGTERM and SIGINT and run in a session of their own: a stop meant for the whole
-program (Ctrl-C, `kill -- -PGID`, systemd stopping the service's control group) is the
-frontend's to handle, which drains its requests first and then stops its cores."""
 
 
 def launch_engine_process(rank: int, input_addr: str, output_addr: str) -> subprocess.Popen:

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pagellm import envs
+from pagellm.config.arch_config import ArchConfig
 from pagellm.logger import init_logger
 from pagellm.model_executor import weight_utils
-from pagellm.model_executor.arch_config import ArchConfig
 from pagellm.model_executor.registry import ModelRegistry
 
 if TYPE_CHECKING:  # the frontend resolves paths, configs and tokenizers without torch;

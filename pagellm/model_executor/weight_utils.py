@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pagellm.model_executor.arch_config import num_kv_heads_of
+from pagellm.config.arch_config import num_kv_heads_of
 from pagellm.model_executor.registry import ModelRegistry
 from pagellm.utils import cdiv
 

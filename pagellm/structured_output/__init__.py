@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
@@ -128,8 +129,12 @@ class StructuredOutputRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig, max_workers: int = 1) -> None:
+    def __init__(self, config: EngineConfig, tokenizer_loader: Callable[[], Any],
+                 max_workers: int = 1) -> None:
         self.model_config = config.model_config
+        self._load_tokenizer = tokenizer_loader
+        """Loads the model's tokenizer, once, when the first backend is built (the engine
+        core's: a layer above this package)."""
         self.vocab_size = config.model_config.vocab_size
         self.reasoning_parser_name = config.structured_outputs_config.reasoning_parser
         self._reasoner: Any = None
@@ -160,10 +165,8 @@ class StructuredOutputManager:
             return self._backends[name]
 
     def _load_backend(self, name: str) -> StructuredOutputBackend:
-        from pagellm.model_executor.loader import load_tokenizer
-
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_config.model_path, self.model_config.tokenizer)
+            self._tokenizer = self._load_tokenizer()
         eos, extra = self.model_config.eos_token_ids(self._tokenizer)
         stop_ids = ([eos] if eos is not None else []) + extra
         if name == "xgrammar":

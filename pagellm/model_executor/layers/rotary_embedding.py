@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.model_executor.arch_config import context_length, rope_dict
+from pagellm.config.arch_config import context_length, rope_dict
 from pagellm.platforms import kernels_for, platform_of
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")

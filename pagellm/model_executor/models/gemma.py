@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.model_executor.arch_config import ArchConfig, head_dim_of
+from pagellm.config.arch_config import ArchConfig, head_dim_of
 from pagellm.model_executor.layers.layernorm import RMSNorm
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import (

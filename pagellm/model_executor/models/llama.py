@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.model_executor.arch_config import head_dim_of, num_kv_heads_of
+from pagellm.config.arch_config import head_dim_of, num_kv_heads_of
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagellm.model_executor.arch_config import head_dim_of
+from pagellm.config.arch_config import head_dim_of
 from pagellm.model_executor.models.llama import LayerAttention, LlamaForCausalLM, sliding_window_of
 
 
