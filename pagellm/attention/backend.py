@@ -81,6 +81,14 @@ class AttentionBackend(ABC):
         num_kv_heads, head_dim]; the storage behind those views is the layout its impl
         reads (the impl may refuse any other)."""
 
+    @staticmethod
+    def kv_cache_block_bytes(block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+        """Bytes one block of one layer's cache takes (K and V together) in the storage
+        `allocate_kv_cache` makes: what the runner budgets by. A backend whose layout pads
+        or keeps scales says so here."""
+        return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
 
 class AttentionMetadataBuilder(ABC):
     """Turns each step's CommonAttentionMetadata into the backend's own metadata, once

@@ -121,8 +121,9 @@ class ModelRunner:
         m = self.model_config
         if m.is_encoder_only:
             return 0
-        elem = self.kv_dtype.itemsize
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        per_layer = self.attn_backend.kv_cache_block_bytes(self.block_size, m.num_kv_heads, m.head_dim,
+                                                           self.kv_dtype)
+        return m.num_layers * per_layer
 
     def determine_num_blocks(self) -> int:
         cc = self.cache_config
