@@ -35,7 +35,10 @@ def _imports(tree: ast.Module) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if id(node) in skipped:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.module == "pagellm":  # from pagellm import x
+            out += [(node.lineno, f"pagellm.{alias.name}") for alias in node.names
+                    if (ROOT / alias.name).is_dir() or (ROOT / f"{alias.name}.py").exists()]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.append((node.lineno, node.module))
         elif isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]

@@ -202,19 +202,22 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_gemm_f32_blocked.restype = ctypes.c_int
     lib.pg_f32_blocked_tiles.argtypes = [i64]
     lib.pg_f32_blocked_tiles.restype = ctypes.c_int
-    signatures = c_signatures(b"".join(open(p, "rb").read() for p in _SOURCES).decode())
-    check_bindings({name: (fn.argtypes, fn.restype) for name in signatures
-                    if (fn := getattr(lib, name)).argtypes is not None}, signatures)
+    # ctypes keeps each function it looked up in the library object's dict: those are
+    # exactly the ones declared above (a return type only counts too)
+    declared = {name: (fn.argtypes or [], fn.restype) for name, fn in vars(lib).items()
+                if name.startswith("pg_")}
+    check_bindings(declared, c_signatures(source.decode(errors="replace")))
     return lib
 
 
-_C_RESTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_C_RESTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+               "double": ctypes.c_double, "pointer": ctypes.c_void_p}
 """C return types of the exported functions -> their ctypes restype."""
 
 
 def c_signatures(source: str) -> dict[str, tuple[str, int]]:
     """The exported (non-static) `pg_*` functions defined in C `source`: name -> (return
-    type, number of parameters). A plain reading of the definitions, which the kernels
+    type, 'pointer' for any pointer, and number of parameters). A plain reading of the definitions, which the kernels
     keep to: one return type word, no function-pointer parameters."""
     source = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
     source = re.sub(r"//[^\n]*", " ", source)
@@ -224,14 +227,15 @@ def c_signatures(source: str) -> dict[str, tuple[str, int]]:
         if "static" in words:
             continue
         params = params.strip()
-        out[name] = (words[-1], 0 if params in ("", "void") else params.count(",") + 1)
+        ret = "pointer" if "*" in "".join(words) else words[-1]
+        out[name] = (ret, 0 if params in ("", "void") else params.count(",") + 1)
     return out
 
 
 def check_bindings(bound: dict[str, tuple[Any, Any]], signatures: dict[str, tuple[str, int]]) -> None:
-    """Raises naming every bound function whose ctypes declaration (argtypes, restype)
-    disagrees with its C definition in parameter count or return type: ctypes would
-    pass the arguments anyway and the kernel read garbage."""
+    """Raises naming every bound function whose ctypes declaration (argtypes, [] where
+    none were given, restype) disagrees with its C definition in parameter count or
+    return type: ctypes would pass the arguments anyway and the kernel read garbage."""
     problems = []
     for name, (argtypes, restype) in sorted(bound.items()):
         if name not in signatures:

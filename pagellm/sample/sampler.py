@@ -117,7 +117,8 @@ class Sampler:
     def masks_tokens(metadata: SamplingMetadata) -> bool:
         """Whether a hard constraint may forbid tokens outright (set them to -inf)."""
         return (metadata.token_bitmask is not None or metadata.allowed_token_ids_mask is not None
-                or bool(metadata.bad_words_token_ids) or bool(metadata.min_tokens))
+                or bool(metadata.bad_words_token_ids) or bool(metadata.min_tokens)
+                or bool(metadata.logit_bias))  # a bias past float32's range is -inf
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

@@ -67,6 +67,8 @@ class ModelRunner:
         self.dtype = self.model_config.torch_dtype
         self.kv_dtype: torch.dtype = getattr(torch, self.cache_config.cache_dtype)
         self.block_size = self.cache_config.block_size
+        self.attn_backend: type[AttentionBackend] = get_attn_backend(config.attention_config.backend)
+        """The attention backend: the model's layers make its impl, this runner its KV cache."""
         self.max_model_len = self.model_config.max_model_len
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -92,9 +94,6 @@ class ModelRunner:
         from pagellm.model_executor.loader import get_model, weights_summary
 
         start = time.perf_counter()
-        self.attn_backend: type[AttentionBackend] = get_attn_backend(
-            self.config.attention_config.backend
-        )
         self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.model.eval()
         self._forward = self.model.forward

@@ -429,7 +429,8 @@ class Scheduler:
             if req_id in row and request.num_computed_tokens >= request.num_tokens:
                 sampled = model_runner_output.sampled_token_ids[row[req_id]]
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and sampled:
+            no_token = req_id in model_runner_output.no_token_req_ids  # it finishes below
+            if drafts and sampled and not no_token:
                 # The runner kept the proposals the model agreed with and one token of its
                 # own after them; the KV of the rejected ones is no longer the request's.
                 num_accepted = len(sampled) - 1
@@ -438,7 +439,7 @@ class Scheduler:
                 self._adapt_spec_k(request.request_id, len(drafts), num_accepted)
                 self.spec_totals.record(len(drafts), num_accepted)
             new_token_ids = self._append_and_check_stop(request, sampled)
-            if req_id in model_runner_output.no_token_req_ids and not request.is_finished():
+            if no_token and not request.is_finished():
                 logger.warning("Request %s: its constraints (grammar, allowed_token_ids, bad_words, "
                                "min_tokens) leave no token to sample; finishing it.", req_id)
                 request.status = RequestStatus.FINISHED_ERROR

@@ -230,12 +230,17 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         layer.packed_weight = packed
         layer.register_parameter("weight", None)
 
+    @staticmethod
+    def _takes_c_kernel(layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether x goes through the C kernel (a few float32 rows), else oneDNN or torch."""
+        dense = layer.dense_f32
+        return (dense is not None and x.dim() == 2 and x.shape[0] <= dense.max_rows
+                and x.dtype == torch.float32 and not torch.compiler.is_compiling())
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        dense = layer.dense_f32
-        if (dense is not None and x.dim() == 2 and x.shape[0] <= dense.max_rows
-                and x.dtype == torch.float32 and not torch.compiler.is_compiling()):
-            y = dense_f32_matmul(dense, x.contiguous())
+        if self._takes_c_kernel(layer, x):
+            y = dense_f32_matmul(layer.dense_f32, x.contiguous())
             return y if bias is None else y + bias
         if layer.packed_weight is not None:
             return packed_linear(x, layer.packed_weight, bias)
@@ -244,9 +249,7 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
     def apply_activated(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                         post_op: PostOp) -> torch.Tensor:
         """post_op(x @ W.T + bias): in oneDNN's pass where it multiplies (many rows)."""
-        dense = layer.dense_f32
-        if (layer.packed_weight is not None
-                and not (dense is not None and x.dim() == 2 and x.shape[0] <= dense.max_rows)):
+        if layer.packed_weight is not None and not self._takes_c_kernel(layer, x):
             return packed_linear(x, layer.packed_weight, bias, post_op)
         return post_op.fn(self.apply(layer, x, bias))
 
