@@ -217,8 +217,9 @@ _C_RESTYPES = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "fl
 
 def c_signatures(source: str) -> dict[str, tuple[str, int]]:
     """The exported (non-static) `pg_*` functions defined in C `source`: name -> (return
-    type, 'pointer' for any pointer, and number of parameters). A plain reading of the definitions, which the kernels
-    keep to: one return type word, no function-pointer parameters."""
+    type, 'pointer' for any pointer; number of parameters). A plain reading of the
+    definitions, which the kernels keep to: one return type word, no function-pointer
+    parameters."""
     source = re.sub(r"/\*.*?\*/", " ", source, flags=re.S)
     source = re.sub(r"//[^\n]*", " ", source)
     out = {}

@@ -34,7 +34,7 @@ from pagellm.model_executor.layers.quantization.gguf import (
     gguf_matmul,
     int8_rows,
 )
-from pagellm.platforms import kernels_for, platform_of
+from pagellm.platforms import platform_of
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -133,7 +133,7 @@ class FusedMoE(nn.Module):
         the experts in float32, the top_k, renormalised where the family does. float32
         logits on the CPU take the C pass the one-region stack also routes with
         (`pg_moe_route`), so both paths pick the same experts."""
-        lib = self.kernels if kernels_for(router_logits) is not None else None
+        lib = self.kernels if router_logits.is_cpu else None  # CPU kernels, CPU logits
         if lib is not None and router_logits.dtype == torch.float32 and router_logits.dim() == 2:
             logits = router_logits.contiguous()
             t, e = logits.shape

@@ -145,7 +145,7 @@ class PostOp(NamedTuple):
     algorithm: str = ""
 
 
-GELU = PostOp(lambda y: F.gelu(y), "gelu", "none")
+GELU = PostOp(F.gelu, "gelu", "none")
 GELU_TANH = PostOp(lambda y: F.gelu(y, approximate="tanh"), "gelu", "tanh")
 RELU = PostOp(F.relu, "relu")
 

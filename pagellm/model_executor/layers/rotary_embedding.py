@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagellm.config.arch_config import context_length, rope_dict
-from pagellm.platforms import kernels_for, platform_of
+from pagellm.platforms import platform_of
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -219,8 +219,7 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """The step's rope inputs for positions [T] and activations of `dtype`."""
         positions = positions.to(torch.int64).contiguous()
-        use_c = (self.kernels is not None and kernels_for(self.cos_cache) is not None
-                 and dtype == self.cos_cache.dtype == torch.float32)
+        use_c = self.kernels is not None and self.cos_cache.is_cpu and dtype == self.cos_cache.dtype == torch.float32
         if use_c and positions.numel() and int(positions.max()) >= self.max_position:
             # the C pass reads table rows unchecked; index_select's error instead
             raise IndexError(f"position {int(positions.max())} is past the rope tables' "

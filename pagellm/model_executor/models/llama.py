@@ -29,7 +29,6 @@ from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
 from pagellm.model_executor.models.fused_decode import FusedDecodeStack, FusedLayer
 from pagellm.model_executor.weight_utils import GGUFFamily
-from pagellm.platforms import kernels_for
 from pagellm.utils import PROGRESS
 
 # (fused module, checkpoint module, shard index): checkpoint weights of the right-hand
@@ -129,7 +128,7 @@ class LlamaAttention(nn.Module):
         pass over contiguous float32 heads (`pg_head_rms_norm`), else the norms' own
         forward on each half."""
         h, kvh, qn, kn = self.num_heads, self.num_kv_heads, self.q_norm, self.k_norm
-        lib = qn.kernels if kernels_for(heads) is not None else None
+        lib = qn.kernels if heads.is_cpu else None  # the norm's CPU kernels
         if (lib is not None and heads.dtype == torch.float32 == qn.weight.dtype == kn.weight.dtype
                 and heads.stride(2) == 1 and heads.stride(1) == self.head_dim):
             lib.pg_head_rms_norm(heads.data_ptr(), heads.stride(0), heads.shape[0], h, kvh,
