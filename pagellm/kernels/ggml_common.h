@@ -45,6 +45,47 @@ static inline const uint8_t *pg_r4_block(const uint8_t *W, int64_t row_bytes, in
     return W + (n >> 2) * 4 * row_bytes + sb * PG_R4_SB;
 }
 
+/* Q4_0, Q4_1 and Q8_0 weights repacked at load, sixteen rows at a time (pg_repack_r16,
+ * ggml_cpu.c), for the int8 decode kernels: not ggml types (100 + the file's type). Per
+ * group of 16 rows and block of 32 values, 16 times the file's block bytes:
+ *   [0, 32)    d of rows 0-15 (float16)
+ *   [32, 64)   Q4_1 only: m of rows 0-15 (float16)
+ *   then the values as 64-byte vectors, vector c holding bytes 4c .. 4c+3 of the file's
+ *   values of each row, row w's at 4w: Q4_0 / Q4_1 four vectors (a byte: value i in its
+ *   low nibble, value i + 16 in its high), Q8_0 eight (int8).
+ * One vector is then four values of all sixteen rows: a vpdpbusd with four input values
+ * broadcast multiplies them, no horizontal sums (ggml_i8gemm.c's tile, packed). Row n
+ * lies in the group starting at row n - n % 16, which holds 16 * row_bytes bytes; a row's
+ * `row_bytes` is the file's. */
+#define PG_Q4_0_R16 102
+#define PG_Q4_1_R16 103
+#define PG_Q8_0_R16 108
+
+static inline int pg_is_r16(int type) {
+    return type == PG_Q4_0_R16 || type == PG_Q4_1_R16 || type == PG_Q8_0_R16;
+}
+
+/* The file's type of a repacked one (2, 3 or 8), and that type's bytes per block. */
+static inline int pg_r16_base(int type) { return type - 100; }
+static inline int64_t pg_b32_bytes(int base) { return base == 2 ? 18 : base == 3 ? 20 : 34; }
+
+/* Block g of the group of 16 rows that holds row n. */
+static inline const uint8_t *pg_r16_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g,
+                                          int base) {
+    return W + (n >> 4) * 16 * row_bytes + g * 16 * pg_b32_bytes(base);
+}
+
+/* Block g of row n as the file stored it (pg_b32_bytes(base) bytes into out). */
+static inline void pg_r16_file_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g,
+                                     int base, uint8_t *out) {
+    const uint8_t *b = pg_r16_block(W, row_bytes, n, g, base);
+    const int w = (int)(n & 15), head = base == 3 ? 4 : 2, vecs = base == 8 ? 8 : 4;
+    memcpy(out, b + 2 * w, 2);
+    if (base == 3) memcpy(out + 2, b + 32 + 2 * w, 2);
+    const uint8_t *v = b + 16 * head;
+    for (int c = 0; c < vecs; c++) memcpy(out + head + 4 * c, v + 64 * c + 4 * w, 4);
+}
+
 /* The float16 at p as a float (F16C where built with it, else by its bits). */
 static inline float pg_f16(const uint8_t *p) {
     uint16_t h;

@@ -69,6 +69,9 @@ static void type_traits(int type, int64_t *block, int64_t *bytes) {
         case T_Q6_K: *block = 256; *bytes = 210; return;
         case T_IQ4_XS: *block = 256; *bytes = 136; return;
         case PG_Q4_K_R4: *block = 256; *bytes = 148; return;
+        case PG_Q4_0_R16: *block = 32; *bytes = 18; return;
+        case PG_Q4_1_R16: *block = 32; *bytes = 20; return;
+        case PG_Q8_0_R16: *block = 32; *bytes = 34; return;
         default: *block = 0; *bytes = 0; return;
     }
 }
@@ -429,11 +432,28 @@ static void dequant_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K
     }
 }
 
+/* Row n of a Q4_0_R16 / Q4_1_R16 / Q8_0_R16 matrix as K float32 values: the file's
+ * blocks put back together, 32 at a time, and dequantized as the file's type. */
+static void dequant_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
+                        float *out) {
+    const int base = pg_r16_base(type);
+    const int64_t bytes = pg_b32_bytes(base), groups = K / 32;
+    uint8_t blocks[32 * 34];
+    for (int64_t g0 = 0; g0 < groups; g0 += 32) {
+        const int64_t count = groups - g0 < 32 ? groups - g0 : 32;
+        for (int64_t g = 0; g < count; g++)
+            pg_r16_file_block(W, row_bytes, n, g0 + g, base, blocks + g * bytes);
+        dequant_row(base, blocks, 32 * count, out + 32 * g0);
+    }
+}
+
 /* Row n of W as K float32 values, whatever the layout. */
 static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
                           float *out) {
     if (type == PG_Q4_K_R4)
         dequant_r4(W, row_bytes, n, K, out);
+    else if (pg_is_r16(type))
+        dequant_r16(type, W, row_bytes, n, K, out);
     else
         dequant_row(type, W + n * row_bytes, K, out);
 }
@@ -470,6 +490,30 @@ int pg_repack_q4_k_r4(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                         v[k] = (uint8_t)(lo | hi << 4);
                     }
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Rows of W (N rows of Q4_0, Q4_1 or Q8_0, N a multiple of 16, K of 32) into out in the
+ * 16-row layout of `type` (PG_Q4_0_R16 ..., ggml_common.h); row_bytes stays the file's.
+ * Returns -1 where the type or the shape does not fit. */
+int pg_repack_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    if (!pg_is_r16(type)) return -1;
+    const int base = pg_r16_base(type);
+    const int64_t bytes = pg_b32_bytes(base), groups = K / 32;
+    if (N % 16 != 0 || K % 32 != 0 || row_bytes != bytes * groups) return -1;
+    const int head = base == 3 ? 4 : 2, vecs = base == 8 ? 8 : 4;
+#pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
+    for (int64_t t = 0; t < N / 16; t++) {
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *o = out + t * 16 * row_bytes + g * 16 * bytes;
+            for (int w = 0; w < 16; w++) {
+                const uint8_t *b = W + (16 * t + w) * row_bytes + g * bytes;
+                memcpy(o + 2 * w, b, 2);
+                if (base == 3) memcpy(o + 32 + 2 * w, b + 2, 2);
+                for (int c = 0; c < vecs; c++) memcpy(o + 16 * head + 64 * c + 4 * w, b + head + 4 * c, 4);
             }
         }
     }

@@ -40,11 +40,13 @@ int pg_i8_wide = 1;
 
 static int type_kind(int type, int *off) {
     switch (type) {
-        case I_Q4_0: *off = 8; return SIGNED32;
+        case I_Q4_0: case PG_Q4_0_R16: *off = 8; return SIGNED32;
         case I_Q5_0: *off = 16; return SIGNED32;
-        case I_Q8_0: *off = 128; return SIGNED32;
+        case I_Q8_0: case PG_Q8_0_R16: *off = 128; return SIGNED32;
         case I_Q6_K: *off = 32; return SIGNED16;
-        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R4: *off = 0; return AFFINE;
+        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R4: case PG_Q4_1_R16:
+            *off = 0;
+            return AFFINE;
         default: return -1;
     }
 }
@@ -170,8 +172,15 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
         for (int64_t g = 0; g < G; g++) {
             uint8_t u[32] = {0};
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
-            if (have && type == PG_Q4_K_R4) unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
-            else if (have) unpack_group(type, row, g, u, s, &m);
+            if (have && type == PG_Q4_K_R4) {
+                unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
+            } else if (have && pg_is_r16(type)) { /* the file's block, put back together */
+                uint8_t block[34];
+                pg_r16_file_block(W, row_bytes, r0 + i, g, pg_r16_base(type), block);
+                unpack_group(pg_r16_base(type), block, 0, u, s, &m);
+            } else if (have) {
+                unpack_group(type, row, g, u, s, &m);
+            }
             uint8_t *t = tile + g * stride;
             for (int c = 0; c < 8; c++) memcpy(t + c * 64 + i * 4, u + 4 * c, 4);
             float *f = (float *)(t + 512);
@@ -294,6 +303,10 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
                 pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], &m);
                 s[1] = s[0];
                 v = pg_nibbles_32(pg_r4_values(b, (int)(n & 3), (int)(g & 7)));
+            } else if (have && pg_is_r16(type)) {
+                uint8_t block[34];
+                pg_r16_file_block(W, row_bytes, r0 + i, g, pg_r16_base(type), block);
+                v = group_vec(pg_r16_base(type), block, 0, s, &m);
             } else if (have) {
                 v = group_vec(type, row, g, s, &m);
             }

@@ -47,6 +47,7 @@ int pg_q8_supported(int type) {
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
         case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R4:
+        case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16:
             return 1;
         default:
             return 0;
@@ -374,6 +375,22 @@ static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8
 #endif
 
 #ifdef PG_AVX2
+/* Row n of a 16-row layout as the file stored it, in a buffer of the calling thread's
+ * (grown as needed and kept; NULL where memory ran out): the AVX2 kernels read rows. */
+static const uint8_t *r16_file_row(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, int type) {
+    static __thread uint8_t *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (row_bytes > cap) {
+        free(buf);
+        buf = malloc((size_t)row_bytes);
+        cap = buf != NULL ? row_bytes : 0;
+        if (buf == NULL) return NULL;
+    }
+    const int base = pg_r16_base(type);
+    for (int64_t g = 0; g < K / 32; g++) pg_r16_file_block(W, row_bytes, n, g, base, buf + g * pg_b32_bytes(base));
+    return buf;
+}
+
 /* The levels of one input row summed: Y[row m, column n] for the R quantized rows from
  * m0 whose products are in out. */
 static inline void store_sums(const float *out, int R, int64_t m0, int64_t levels, float *Y,
@@ -721,6 +738,102 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
         y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_zextps256_ps512(off[r])));
 }
 
+/* Q4_0_R16, Q4_1_R16, Q8_0_R16 (ggml_common.h): sixteen weight rows at once. A block's
+ * four (Q8_0: eight) 64-byte vectors unpack into the eight vectors of ggml_i8gemm.c's tile
+ * (vector c: values 4c .. 4c+3 of all 16 rows), and each input row takes the tile's
+ * arithmetic: eight vpdpbusd with four of its values broadcast, one conversion, one fused
+ * multiply-add of the 16 rows' scales times its own (and Q4_1's minimums times the sum of
+ * its values). The weights are unpacked once per block for all the input rows, and the
+ * 16 rows' scales come with one load, where b32_rows spends a permute, a conversion and a
+ * fused multiply-add per two blocks of every row and input row. The same operations in the
+ * same order as ggml_i8gemm.c's rows_vnni: an input row gets the numbers the int8 GEMM
+ * gives it. acc[r]: the 16 weight rows against input row r. */
+typedef int32_t __attribute__((may_alias, aligned(1))) q8_i32u; /* 4 input bytes as one lane */
+#define R16_ROWS 8
+VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, int64_t groups,
+                                           const int8_t *qx, const float *dx, const int32_t *sx,
+                                           int64_t K, const int R, __m512 *acc) {
+    const int64_t bytes = 16 * pg_b32_bytes(base); /* a block of the 16 rows */
+    const int affine = base == 3, head = affine ? 64 : 32;
+    const int off = base == 2 ? 8 : base == 8 ? 128 : 0;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b = w16 + g * bytes;
+        PREFETCH(b, bytes);
+        __m512i w[8];
+        if (base == 8) {
+            for (int c = 0; c < 8; c++)
+                w[c] = _mm512_xor_si512(_mm512_loadu_si512(b + head + 64 * c), _mm512_set1_epi8((char)0x80));
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i q = _mm512_loadu_si512(b + head + 64 * c);
+                w[c] = _mm512_and_si512(q, low4);
+                w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        const __m512 m = affine ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)))
+                                : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const q8_i32u *x4 = (const q8_i32u *)(qx + r * K + 32 * g); /* broadcast from memory */
+            const float dg = dx[r * (K / 32) + g];
+            const int32_t s0 = sx[r * (K / 16) + 2 * g], s1 = sx[r * (K / 16) + 2 * g + 1];
+            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
+            for (int c = 2; c < 8; c += 2) {
+                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
+                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
+            }
+            __m512i sum = _mm512_add_epi32(even, odd);
+            if (affine) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dg * (float)(s0 + s1)), acc[r]);
+            } else {
+                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
+            }
+        }
+    }
+}
+
+/* Weight rows [n0, n1) (multiples of 16) of a 16-row layout against the P quantized rows. */
+VNNI512 static void range_r16(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+                              int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
+                              int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
+    for (int64_t n = n0; n < n1; n += 16) {
+        const uint8_t *w16 = W + n * row_bytes;
+        for (int64_t m0 = 0; m0 < P; m0 += R16_ROWS) {
+            const int R = P - m0 < R16_ROWS ? (int)(P - m0) : R16_ROWS;
+            const int8_t *qx = QX + m0 * K;
+            const float *dx = DX + m0 * (K / 32);
+            const int32_t *sx = SX + m0 * (K / 16);
+            __m512 acc[R16_ROWS];
+#define R16_BASES(r)                                                                \
+    (base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                      \
+     : base == 3 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                    \
+                 : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
+            switch (R) { /* each count and type compiled apart: unrolled, no masks */
+                case 1: R16_BASES(1); break;
+                case 2: R16_BASES(2); break;
+                case 3: R16_BASES(3); break;
+                case 4: R16_BASES(4); break;
+                case 5: R16_BASES(5); break;
+                case 6: R16_BASES(6); break;
+                case 7: R16_BASES(7); break;
+                default: R16_BASES(8); break;
+            }
+#undef R16_BASES
+            float out[R16_ROWS][16], col[R16_ROWS];
+            for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+            for (int v = 0; v < 16; v++) {
+                for (int r = 0; r < R; r++) col[r] = out[r][v];
+                store_sums(col, R, m0, levels, Y, ldy, yrows, n + v);
+            }
+        }
+    }
+}
+
 #define BY_ROWS(CALL_R)   \
     switch (R) {          \
         case 1: CALL_R(1); break; \
@@ -750,6 +863,9 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
                             const int32_t *SX, int64_t P, int64_t levels, float *Y, int64_t ldy,
                             const int64_t *yrows) {
     switch (type) {
+        case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16: /* n0, n1: multiples of 16 */
+            range_r16(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
+            return 1;
         case PG_Q4_K_R4: /* n0, n1: multiples of 4 */
             for (int64_t n = n0; n < n1; n += 4) {
                 const uint8_t *w = W + n * row_bytes;
@@ -825,8 +941,8 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
                      const pg_team *team) {
 #ifdef PG_AVX2
-    int64_t n0, n1; /* Q4_K_R4: whole groups of 4 rows */
-    const int64_t unit = type == PG_Q4_K_R4 ? 4 : 1;
+    int64_t n0, n1; /* Q4_K_R4: whole groups of 4 rows, the R16 layouts of 16 */
+    const int64_t unit = type == PG_Q4_K_R4 ? 4 : pg_is_r16(type) ? 16 : 1;
     pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
     n0 *= unit;
     n1 *= unit;
@@ -842,6 +958,8 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * row_bytes;
+        if (pg_is_r16(type) && (row = r16_file_row(W, row_bytes, n, K, type)) == NULL) return;
+        const int row_type = pg_is_r16(type) ? pg_r16_base(type) : type;
         for (int64_t m0 = 0; m0 < P; m0 += 4) {
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
@@ -849,7 +967,7 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                 out[r] = type == PG_Q4_K_R4
                              ? dot_r4(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
-                             : dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
+                             : dot_row_q8(row_type, row, K / 32, QX + (m0 + r) * K,
                                           DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
             store_sums(out, R, m0, levels, Y, ldy, yrows, n);
         }
@@ -861,10 +979,10 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
 }
 
 /* Rows of one weight group per chunk a team claims (team.h pg_claim): ~64 KB of weights
- * (a few microseconds of work), at least 16 rows, a multiple of 4 (Q4_K_R4's groups); and
+ * (a few microseconds of work), at least 16 rows, a multiple of 16 (the R16 layouts' groups); and
  * how many chunks the group has. */
 static int64_t q8_chunk_rows(int64_t row_bytes) {
-    return (65536 / row_bytes > 16 ? 65536 / row_bytes : 16) & ~(int64_t)3;
+    return (65536 / row_bytes > 16 ? 65536 / row_bytes : 16) & ~(int64_t)15;
 }
 
 int64_t pg_q8_chunks(int64_t N, int64_t row_bytes) {

@@ -479,6 +479,62 @@ def test_q4_k_r4_repack_holds_the_same_weights(q8_isa: Any) -> None:
     assert gguf_method._repacked(q4k[0], k).qtype == r4_t
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
+    """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (what the loader does where the
+    int8 kernels run on AVX-512 VNNI): the rows dequantize to the file's bit for bit; the
+    int8 products equal (1e-5) the numpy model for 1-16 input rows and two levels; an input
+    row gets the same bits whatever the other rows of the product (a speculative verify run
+    is decoded row by row), and on the AVX-512 kernel the bits the int8 GEMM gives it; the
+    float32 rows equal the file's bit for bit; 40 rows (not a multiple of 16) and K = 48
+    are refused, and the loader keeps such groups as they are."""
+    lib = q8_isa
+    rng = np.random.default_rng(22)
+    n, k = 48, 96  # 3 groups of 16 rows, 3 blocks of 32 values
+    data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
+    file_t = int(gguf.GGMLQuantizationType[qtype])
+    r16_t = gguf_method.R16_TYPES[file_t]
+    r16 = np.empty_like(data)
+    assert lib.pg_repack_r16(r16_t, data.ctypes.data, data.shape[1], n, k, r16.ctypes.data) == 0
+    assert not np.array_equal(r16, data)
+    ids = torch.tensor([0, 5, 47, 16, 31], dtype=torch.int64)
+    a, b = torch.empty(5, k), torch.empty(5, k)
+    assert lib.pg_dequant_rows(file_t, data.ctypes.data, data.shape[1], k, ids.data_ptr(), 0, 5, a.data_ptr()) == 0
+    assert lib.pg_dequant_rows(r16_t, r16.ctypes.data, r16.shape[1], k, ids.data_ptr(), 0, 5, b.data_ptr()) == 0
+    assert torch.equal(a, b)
+    ref = _reference(data, qtype, n, k)
+    plain = [gguf_method.WeightGroup(file_t, data, 0, n)]
+    packed = [gguf_method.WeightGroup(r16_t, r16, 0, n)]
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    alone = {levels: torch.cat([gguf_method.gguf_matmul(packed, x[i : i + 1], n, slice(0, 1), int8_levels=levels)
+                                for i in range(16)]) for levels in (1, 2)}
+    for m in (1, 2, 3, 5, 8, 9, 16):
+        for levels in (1, 2):
+            y = gguf_method.gguf_matmul(packed, x[:m], n, slice(0, m), int8_levels=levels)
+            assert torch.equal(y, alone[levels][:m]), (m, levels)
+            first = _round_activations(x[:m].numpy(), 32)
+            want = first if levels == 1 else first + _round_activations((x[:m].numpy() - first).astype(np.float32), 32)
+            want = want @ ref.T
+            assert np.linalg.norm(y.numpy() - want) <= 1e-5 * np.linalg.norm(want), (m, levels)
+    if ctypes.c_int.in_dll(lib, "pg_q8_wide").value and lib.pg_i8gemm_fast():
+        y = torch.empty(16, n)
+        qx, dx, sx = torch.empty(16, k, dtype=torch.int8), torch.empty(16, k // 32), torch.empty(16, k // 16, dtype=torch.int32)
+        lib.pg_quantize_q8(x.data_ptr(), k, 16, k, 1, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+        assert lib.pg_gemm_i8(file_t, data.ctypes.data, data.shape[1], n, k, qx.data_ptr(), dx.data_ptr(),
+                              sx.data_ptr(), 16, y.data_ptr(), n) == 0
+        assert torch.equal(y, alone[1])
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(7))  # float32 rows: tiles
+    assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(plain, x, n))
+    assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(plain, x[:3], n))
+    bad = np.empty_like(data)
+    assert lib.pg_repack_r16(r16_t, data.ctypes.data, data.shape[1], 40, k, bad.ctypes.data) == -1
+    assert lib.pg_repack_r16(r16_t, data.ctypes.data, data.shape[1], n, 48, bad.ctypes.data) == -1
+    assert lib.pg_repack_r16(file_t, data.ctypes.data, data.shape[1], n, k, bad.ctypes.data) == -1
+    odd = gguf_method.WeightGroup(file_t, data[:40], 0, 40)
+    assert gguf_method._repacked(odd, k) is odd
+    assert gguf_method._repacked(plain[0], k, release=False).qtype == r16_t
+
+
 def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q4_K linears become Q4_K_R4 at load where q8 runs on AVX-512 VNNI (the load line says
     so); PAGELLM_GGUF_REPACK=0 and the exact path keep the file's Q4_K."""

@@ -230,8 +230,8 @@ def _owned_rows(part: Any) -> np.ndarray:
 
 
 class GGUFLinearMethod(QuantizeMethodBase):
-    """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`); `repack`: Q4_K groups
-    repacked four rows at a time after loading (repack_q4_k)."""
+    """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`); `repack`: Q4_K, Q4_0, Q4_1
+    and Q8_0 groups repacked after loading (repack_q4_k)."""
 
     def __init__(self, q8_activations: bool = False, int8_levels: int = 1, repack: bool = False) -> None:
         self.q8_activations = q8_activations
@@ -296,33 +296,50 @@ Q4_K_R4_TYPE = 112
 """Q4_K rows repacked four at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R4): not a ggml
 type; the kernels read it wherever they read Q4_K."""
 
-TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4"}
+R16_TYPES = {2: 102, 3: 103, 8: 108}
+"""Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
+file's type -> pagellm's layout, read by the kernels wherever they read the file's type."""
+
+TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4", 102: "Q4_0_R16", 103: "Q4_1_R16", 108: "Q8_0_R16"}
 """Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
 
 
 def repack_q4_k() -> bool:
-    """Whether Q4_K linears are repacked at load (Q4_K_R4): where the int8 decode kernels
-    run on AVX-512 VNNI, whose Q4_K_R4 kernel multiplies four weight rows per instruction
-    and unpacks their scales once: twice Q4_K's rate on weights in cache, 1.14x streamed
-    from memory, a decode step of the 1B-shaped file ~1.1x (benchmarks/README.md).
-    PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
+    """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K as
+    Q4_K_R4, Q4_0 / Q4_1 / Q8_0 as their R16 layouts): where those kernels run on AVX-512
+    VNNI. Q4_K_R4's kernel multiplies four weight rows per instruction and unpacks their
+    scales once (twice Q4_K's rate on weights in cache, a decode step of the 1B-shaped file
+    ~1.1x); the R16 kernels sixteen, with no per-row scale permutes: each extra row of a
+    step (a speculative verify run, a batch) costs a fraction of what it did
+    (benchmarks/README.md). PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
     from pagellm import envs
 
     lib = load_kernels()
     return envs.PAGELLM_GGUF_REPACK and lib is not None and lib.pg_q8_isa() == 2
 
 
-def _repacked(group: WeightGroup, k: int) -> WeightGroup:
-    """A Q4_K group as Q4_K_R4 in memory of its own (other groups, and Q4_K groups whose
-    rows are not a multiple of 4, as they are); the file's pages it was read from are
-    released from this process (the page cache keeps them), so memory stays ~ the file's."""
-    if group.qtype != Q4_K_TYPE or group.rows % 4 or k % 256:
+def _repacked(group: WeightGroup, k: int, release: bool = True) -> WeightGroup:
+    """A Q4_K group as Q4_K_R4, a Q4_0 / Q4_1 / Q8_0 one in its 16-row layout, in memory of
+    its own (other groups, and groups whose rows do not fill the layout's, as they are).
+    `release`: the file's pages it was read from are released from this process (the page
+    cache keeps them), so memory stays ~ the file's (not for a tied head: the embedding
+    reads those rows)."""
+    lib = _kernels()
+    if group.qtype == Q4_K_TYPE and group.rows % 4 == 0 and k % 256 == 0:
+        out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
+        failed = lib.pg_repack_q4_k_r4(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+        qtype = Q4_K_R4_TYPE
+    elif group.qtype in R16_TYPES and group.rows % 16 == 0 and k % 32 == 0:
+        out = np.empty_like(group.data)
+        qtype = R16_TYPES[group.qtype]
+        failed = lib.pg_repack_r16(qtype, group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+    else:
         return group
-    out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
-    if _kernels().pg_repack_q4_k_r4(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data):
+    if failed:
         return group
-    _release_mapped(group.data)
-    return WeightGroup(Q4_K_R4_TYPE, out, group.row_start, group.rows)
+    if release:
+        _release_mapped(group.data)
+    return WeightGroup(qtype, out, group.row_start, group.rows)
 
 
 def _release_mapped(data: np.ndarray) -> None:
@@ -556,8 +573,11 @@ class GGUFEmbeddingMethod:
         return out
 
     def tie_head(self, layer: nn.Module, head: nn.Module) -> None:
-        """The head multiplies by the same blocks (shared, not copied)."""
+        """The head multiplies by the same blocks: shared, not copied, unless the head's
+        kernels take a repacked layout (then a copy in it: the lookups read the file's)."""
         if not isinstance(head.quant_method, GGUFLinearMethod):
             raise TypeError("a GGUF embedding can only be tied to a GGUF head")
-        head.weight_groups = list(layer.weight_groups)
+        method = head.quant_method
+        head.weight_groups = [_repacked(g, layer.embedding_dim, release=False) if method.repack else g
+                              for g in layer.weight_groups]
         head.loaded_parts = []
