@@ -532,7 +532,7 @@ def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_repack_r16(file_t, data.ctypes.data, data.shape[1], n, k, bad.ctypes.data) == -1
     odd = gguf_method.WeightGroup(file_t, data[:40], 0, 40)
     assert gguf_method._repacked(odd, k) is odd
-    assert gguf_method._repacked(plain[0], k, release=False).qtype == r16_t
+    assert gguf_method._repacked(plain[0], k).qtype == r16_t
 
 
 def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -557,6 +557,30 @@ def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> Non
                     "nothing is repacked")
     names, summary = types(gguf_activations="q8")
     assert names == ["Q4_K_R4", "Q4_K_R4"] and "Q4_K_R4 x" in summary
+
+
+def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_path: str) -> None:
+    """The default model (Q4_1 linears, a Q8_0 token table tied to the head) on the int8
+    path where it runs on AVX-512 VNNI: its linears load as Q4_1_R16, the head and the
+    embedding share one Q8_0_R16 group (no second copy of the table), and a lookup gives
+    the file's rows bit for bit; the exact path keeps the file's layouts."""
+    def load(activations: str) -> Any:
+        return get_model(make_model_config(default_model_path, quantization="gguf",
+                                           gguf_activations=activations),
+                         torch.device("cpu"), get_attn_backend("torch"))
+
+    exact = load("float32")
+    assert [_type_name(g.qtype) for g in exact.model.layers[0].mlp.down_proj.weight_groups] == ["Q4_1"]
+    assert exact.lm_head.weight_groups[0] is exact.model.embed_tokens.weight_groups[0]
+    if kernels.load_kernels().pg_q8_isa() != 2:
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512vnni, avx512bw, avx512vl, avx512dq): "
+                    "nothing is repacked")
+    model = load("q8")
+    assert [_type_name(g.qtype) for g in model.model.layers[0].mlp.down_proj.weight_groups] == ["Q4_1_R16"]
+    (head,) = model.lm_head.weight_groups
+    assert _type_name(head.qtype) == "Q8_0_R16" and head is model.model.embed_tokens.weight_groups[0]
+    ids = torch.tensor([0, 1, 17, 4242, 49151])
+    assert torch.equal(model.model.embed_tokens(ids), exact.model.embed_tokens(ids))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4"])

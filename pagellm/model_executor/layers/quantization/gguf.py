@@ -318,12 +318,11 @@ def repack_q4_k() -> bool:
     return envs.PAGELLM_GGUF_REPACK and lib is not None and lib.pg_q8_isa() == 2
 
 
-def _repacked(group: WeightGroup, k: int, release: bool = True) -> WeightGroup:
+def _repacked(group: WeightGroup, k: int) -> WeightGroup:
     """A Q4_K group as Q4_K_R4, a Q4_0 / Q4_1 / Q8_0 one in its 16-row layout, in memory of
-    its own (other groups, and groups whose rows do not fill the layout's, as they are).
-    `release`: the file's pages it was read from are released from this process (the page
-    cache keeps them), so memory stays ~ the file's (not for a tied head: the embedding
-    reads those rows)."""
+    its own (other groups, and groups whose rows do not fill the layout's, as they are); the
+    file's pages it was read from are released from this process (the page cache keeps
+    them), so memory stays ~ the file's."""
     lib = _kernels()
     if group.qtype == Q4_K_TYPE and group.rows % 4 == 0 and k % 256 == 0:
         out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
@@ -337,8 +336,7 @@ def _repacked(group: WeightGroup, k: int, release: bool = True) -> WeightGroup:
         return group
     if failed:
         return group
-    if release:
-        _release_mapped(group.data)
+    _release_mapped(group.data)
     return WeightGroup(qtype, out, group.row_start, group.rows)
 
 
@@ -573,11 +571,11 @@ class GGUFEmbeddingMethod:
         return out
 
     def tie_head(self, layer: nn.Module, head: nn.Module) -> None:
-        """The head multiplies by the same blocks: shared, not copied, unless the head's
-        kernels take a repacked layout (then a copy in it: the lookups read the file's)."""
+        """The head multiplies by the same blocks (shared, not copied); where the head's
+        kernels take a repacked layout, both read the repacked rows."""
         if not isinstance(head.quant_method, GGUFLinearMethod):
             raise TypeError("a GGUF embedding can only be tied to a GGUF head")
-        method = head.quant_method
-        head.weight_groups = [_repacked(g, layer.embedding_dim, release=False) if method.repack else g
-                              for g in layer.weight_groups]
+        if head.quant_method.repack:  # lookups read the repacked rows too (pg_dequant_rows)
+            layer.weight_groups = [_repacked(g, layer.embedding_dim) for g in layer.weight_groups]
+        head.weight_groups = list(layer.weight_groups)
         head.loaded_parts = []
