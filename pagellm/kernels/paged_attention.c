@@ -16,6 +16,7 @@
  *    of its query heads). Every K block is loaded once for the run's heads, scores are
  *    computed for whole blocks (slots outside [lo, hi) are never read back), the softmax
  *    uses a vectorised exp, and V rows are loaded once per 32 dims for all the heads.
+ *    Where the CPU has AVX-512 the same tasks run twice as wide, with the same numbers.
  *  - portable: one task per (request, query head), plain loops.
  * Each score is a sequential sum over d and each output a sequential sum over slots, so
  * a request's result does not depend on the other requests in the step.
@@ -146,6 +147,41 @@ static inline __m256 kv_load8(const void *base, int64_t i, const int kt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* The softmax of slots [off, off + n) of each of G score rows (`stride` floats apart), in
+ * place (cap > 0: the scores capped first). */
+static inline __attribute__((always_inline)) void softmax_rows(const int G, float *sc, int64_t stride,
+                                                               int64_t off, int64_t n, float cap) {
+    for (int g = 0; g < G; g++) {
+        float *p = sc + g * stride + off;
+        if (cap > 0.0f) {
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, soft_cap8(_mm256_loadu_ps(p + i), cap));
+            for (; i < n; i++) p[i] = cap * tanhf(p[i] / cap);
+        }
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (; i < n; i++) best = p[i] > best ? p[i] : best;
+        __m256 vb = _mm256_set1_ps(best), vsum = _mm256_setzero_ps();
+        i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + i), vb));
+            _mm256_storeu_ps(p + i, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float total = pg_hsum(vsum);
+        for (; i < n; i++) {
+            p[i] = expf(p[i] - best);
+            total += p[i];
+        }
+        const float inv = 1.0f / total;
+        for (i = 0; i < n; i++) p[i] *= inv;
+    }
+}
+
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
  * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)].
  * cap > 0: scores are capped (soft_cap8) before the softmax. */
@@ -180,37 +216,8 @@ static inline __attribute__((always_inline)) void decode_heads(
             _mm256_storeu_ps(sc + g * stride + (j - j0) * 16 + 8, a[g][1]);
         }
     }
-    /* softmax over [lo, hi) of each head's row, in place; p[g] starts at slot lo */
     const int64_t n = hi - lo, off = lo - j0 * 16;
-    for (int g = 0; g < G; g++) {
-        float *p = sc + g * stride + off;
-        if (cap > 0.0f) {
-            int64_t i = 0;
-            for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, soft_cap8(_mm256_loadu_ps(p + i), cap));
-            for (; i < n; i++) p[i] = cap * tanhf(p[i] / cap);
-        }
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p + i));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float best = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        for (; i < n; i++) best = p[i] > best ? p[i] : best;
-        __m256 vb = _mm256_set1_ps(best), vsum = _mm256_setzero_ps();
-        i = 0;
-        for (; i + 8 <= n; i += 8) {
-            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(p + i), vb));
-            _mm256_storeu_ps(p + i, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float total = pg_hsum(vsum);
-        for (; i < n; i++) {
-            p[i] = expf(p[i] - best);
-            total += p[i];
-        }
-        const float inv = 1.0f / total;
-        for (i = 0; i < n; i++) p[i] *= inv;
-    }
+    softmax_rows(G, sc, stride, off, n, cap);
     /* out[g] = sum_i p[g][i] V[i], 32 dims at a time: each V row loaded once for G heads */
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         __m256 a[4][4];
@@ -241,6 +248,102 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
 }
 
+#ifdef PG_X86_DISPATCH
+#define ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+/* Elements [i, i + 16) of a cache of type kt as floats. */
+ATTN512 static inline __attribute__((always_inline)) __m512 kv_load16(const void *base, int64_t i, const int kt) {
+    if (kt == PG_KV_F32) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    if (kt == PG_KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* decode_heads on AVX-512 (chosen at run time, pg_isa_level): a K block's 16 slots in one
+ * vector, 32 dims of a V row in two. Each score is the same chain of fused multiply-adds
+ * over d, each output the same chain over slots, and the softmax the same code, so the
+ * numbers are decode_heads' bit for bit; half the instructions. */
+ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
+    const int G, const int kt, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh,
+    int64_t D, const void *k_store, const void *v_store, int64_t NB, const int64_t *row,
+    int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
+    int64_t H) {
+    const char *kc = (const char *)k_store, *vc = (const char *)v_store;
+    const int64_t es = kv_elem_bytes(kt);
+    const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
+    float qs[4][256];
+    for (int g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
+        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
+        __m512 a[4];
+        for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            const __m512 k = kv_load16(k_store, kb + d * 16, kt);
+            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d]), k, a[g]);
+        }
+        for (int g = 0; g < G; g++) _mm512_storeu_ps(sc + g * stride + (j - j0) * 16, a[g]);
+    }
+    const int64_t n = hi - lo, off = lo - j0 * 16;
+    softmax_rows(G, sc, stride, off, n, cap);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512 a[4][2];
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            if (d0 == 0 && i / 16 + 1 < j1) {
+                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
+                for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+            }
+            const __m512 v0 = kv_load16(v_store, vr, kt), v1 = kv_load16(v_store, vr + 16, kt);
+            for (int g = 0; g < G; g++) {
+                const __m512 pi = _mm512_set1_ps(sc[g * stride + off + (i - lo)]);
+                a[g][0] = _mm512_fmadd_ps(pi, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(pi, v1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *o = out + (b * H + h0 + g) * D + d0;
+            _mm512_storeu_ps(o, a[g][0]);
+            _mm512_storeu_ps(o + 16, a[g][1]);
+        }
+    }
+}
+
+/* The tasks [t0, t1) of decode_avx2_part on decode_heads512. */
+ATTN512 static void tasks512(int64_t t0, int64_t t1, int64_t KVH, int64_t runs, int64_t run,
+                             int64_t group, const float *q, int64_t ldq, int64_t H, int64_t D,
+                             int kt, const void *k_store, const void *v_store, int64_t NB,
+                             const int64_t *table, int64_t table_stride, const int64_t *lo,
+                             const int64_t *hi, float scale, float cap, float *out, float *sc,
+                             int64_t stride) {
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
+        const int64_t h0 = kvh * group + t % runs * run;
+        const int64_t left = kvh * group + group - h0;
+        const int G = (int)(left < run ? left : run);
+        const int64_t *row = table + b * table_stride;
+#define HEADS(n, t)                                                                         \
+    case n:                                                                                 \
+        decode_heads512(n, t, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b], \
+                        scale, cap, sc, stride, out, H);                                    \
+        break;
+#define KV_TYPE(t)                                                                          \
+    case t:                                                                                 \
+        switch (G) { HEADS(1, t) HEADS(2, t) HEADS(3, t) HEADS(4, t) }                      \
+        break;
+        switch (kt) { KV_TYPE(PG_KV_F32) KV_TYPE(PG_KV_F16) KV_TYPE(PG_KV_BF16) }
+#undef KV_TYPE
+#undef HEADS
+    }
+}
+#endif
+
+/* 0: the AVX2 attention even where AVX-512 is present (tests compare the two). */
+int pg_attn_wide = 1;
+
 /* Tasks: (request, KV head, run of up to 4 of its query heads); sc: 4 * (max_slots + 32)
  * floats. */
 static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
@@ -257,6 +360,13 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
     int64_t t0, t1;
     share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
+#ifdef PG_X86_DISPATCH
+    if (pg_attn_wide && pg_isa_level() == 2) {
+        tasks512(t0, t1, KVH, runs, run, group, q, ldq, H, D, kt, k_store, v_store, NB, table,
+                 table_stride, lo, hi, scale, cap, out, sc, stride);
+        return;
+    }
+#endif
     for (int64_t t = t0; t < t1; t++) {
         const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
         const int64_t h0 = kvh * group + t % runs * run;

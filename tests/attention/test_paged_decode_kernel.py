@@ -126,6 +126,32 @@ def test_c_decode_over_a_half_width_cache(seq_lens: list[int], window: int | Non
     torch.testing.assert_close(c_out, f32_out, rtol=rounding, atol=rounding)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("geometry", [g for n, g in GEOMETRIES.items() if n != "portable"],
+                         ids=[n for n in GEOMETRIES if n != "portable"])
+def test_avx512_decode_gives_the_avx2_bits(geometry: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
+    """Where the CPU has AVX-512 the decode attention runs twice as wide with the same
+    chains of operations: its output equals the AVX2 path's bit for bit (heads in runs of
+    1-4, every cache type, a window)."""
+    import ctypes
+
+    lib = load_kernels()
+    if lib.pg_isa_level() != 2:
+        pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    wide = ctypes.c_int.in_dll(lib, "pg_attn_wide")
+    outs = []
+    try:
+        for value in (1, 0):
+            wide.value = value
+            outs.append([_decode_step(lens, window, use_c=True, geometry=geometry, kv_dtype=kv_dtype)[0]
+                         for lens, window in (([7, 1, 30], None), ([200, 9], None), ([200, 9], 13))])
+    finally:
+        wide.value = 1
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
 def test_half_width_write_rounds_edge_values_as_torch_does(simd: bool) -> None:
     """The C cache write's float16 / bfloat16 rounding on the values where rounding is
