@@ -291,6 +291,31 @@ static inline VNNI512 __m256i group_vec(int type, const uint8_t *row, int64_t g,
 static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_t row_bytes,
                                     int64_t N, int64_t r0, int64_t G, uint8_t *tile) {
     const int64_t stride = group_bytes(kind);
+    if (pg_is_r16(type) && N - r0 >= 16) { /* 16 rows already in the tile's order: unpack */
+        const int base = pg_r16_base(type), head = base == 3 ? 64 : 32;
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = pg_r16_block(W, row_bytes, r0, g, base);
+            uint8_t *t = tile + g * stride;
+            if (base == 8) {
+                for (int c = 0; c < 8; c++)
+                    _mm512_storeu_si512(t + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(b + head + 64 * c),
+                                                                     _mm512_set1_epi8((char)0x80)));
+            } else {
+                for (int c = 0; c < 4; c++) {
+                    const __m512i q = _mm512_loadu_si512(b + head + 64 * c);
+                    _mm512_storeu_si512(t + 64 * c, _mm512_and_si512(q, low4));
+                    _mm512_storeu_si512(t + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+                }
+            }
+            float *f = (float *)(t + 512);
+            _mm512_storeu_ps(f, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)));
+            if (kind == AFFINE) /* minus the minimums, as unpack_group gives them */
+                _mm512_storeu_ps(f + 16, _mm512_sub_ps(_mm512_setzero_ps(),
+                                                       _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)))));
+        }
+        return;
+    }
     for (int64_t i = 0; i < 16; i++) {
         const int have = r0 + i < N;
         const uint8_t *row = W + (r0 + i) * row_bytes;

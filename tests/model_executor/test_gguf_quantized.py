@@ -523,6 +523,10 @@ def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
         assert lib.pg_gemm_i8(file_t, data.ctypes.data, data.shape[1], n, k, qx.data_ptr(), dx.data_ptr(),
                               sx.data_ptr(), 16, y.data_ptr(), n) == 0
         assert torch.equal(y, alone[1])
+        y.zero_()  # the GEMM on the repacked rows (its tiles unpacked from them directly)
+        assert lib.pg_gemm_i8(r16_t, r16.ctypes.data, r16.shape[1], n, k, qx.data_ptr(), dx.data_ptr(),
+                              sx.data_ptr(), 16, y.data_ptr(), n) == 0
+        assert torch.equal(y, alone[1])
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(7))  # float32 rows: tiles
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(plain, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(plain, x[:3], n))
