@@ -58,9 +58,45 @@ int pg_q8_supported(int type) {
 #endif
 }
 
+#ifdef PG_AVX2
+/* quantize_group in vectors: the same operations, so the same bytes (max is exact, and
+ * the conversion rounds to nearest even as lrintf does). */
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(a);
+}
+
+static void quantize_group_avx2(const float *x, int8_t *q, float *d_out, int32_t *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    s[0] = hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
+    s[1] = hsum_epi32(_mm256_add_epi32(qi[2], qi[3]));
+    /* packs work within 128-bit lanes: dwords come out as q0 q1 q2 q3 (values 0-3 of each
+     * vector), then values 4-7; the permute puts each vector's 8 values together */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *d_out = d;
+}
+#endif
+
 /* One group of 32 values: q = round(x / d) (to nearest, ties to even), d = max|x| / 127,
  * and the sums of q's two halves. */
 static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) {
+#ifdef PG_AVX2
+    quantize_group_avx2(x, q, d_out, s);
+#else
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) { /* not fmaxf: a libm call per value in this build */
         const float a = fabsf(x[j]);
@@ -75,6 +111,7 @@ static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) 
     *d_out = d;
     s[0] = s0;
     s[1] = s1;
+#endif
 }
 
 /* Thread ith's share of the M * K/32 groups of X's rows (row m is row rows[m] of X; rows

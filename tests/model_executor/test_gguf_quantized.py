@@ -479,6 +479,33 @@ def test_q4_k_r4_repack_holds_the_same_weights(q8_isa: Any) -> None:
     assert gguf_method._repacked(q4k[0], k).qtype == r4_t
 
 
+def test_simd_quantization_gives_the_portable_bytes() -> None:
+    """Rounding activations to int8 (pg_quantize_q8, one and two levels): the vector code of
+    the SIMD build gives the portable build's bytes, scales and sums exactly, ties (values
+    at k + 1/2 steps, rounded to even), an all-zero group and a one-value group included."""
+    simd, portable = kernels.load_kernels(), kernels.load_kernels(simd=False)
+    if simd is None or portable is None or simd.pg_q8_isa() == 0:
+        pytest.skip("no SIMD build of the kernels here (x86 with AVX2, FMA and F16C needed)")
+    m, k = 6, 128
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 3
+    x[1, :32] = 0.0
+    x[2, 32:64] = 0.0
+    x[2, 40] = -1.0
+    x[3, :32] = torch.arange(32) - 15.5  # max |x| 15.5: steps of 15.5 / 127, ties at halves
+    x[4, :32] = (torch.arange(32) % 5 - 2) * 127 / 254  # x / d = k + 1/2 exactly
+    x[4, 0] = 127.0
+    for levels in (1, 2):
+        got = []
+        for lib in (simd, portable):
+            q = torch.empty(m * levels, k, dtype=torch.int8)
+            d = torch.empty(m * levels, k // 32)
+            sums = torch.empty(m * levels, k // 16, dtype=torch.int32)
+            lib.pg_quantize_q8(x.data_ptr(), k, m, k, levels, q.data_ptr(), d.data_ptr(), sums.data_ptr())
+            got.append((q, d, sums))
+        for a, b in zip(*got):
+            assert torch.equal(a, b), levels
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
     """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (what the loader does where the
