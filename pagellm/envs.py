@@ -132,8 +132,9 @@ _VARS = {
     # llama.cpp; "auto": q8 where the CPU has the int8 kernels). Unset: "" (the engine
     # argument decides).
     "PAGELLM_GGUF_ACTIVATIONS": lambda: os.environ.get("PAGELLM_GGUF_ACTIVATIONS", ""),
-    # Repack Q4_K linears four rows at a time at load for the int8 decode kernels, where
-    # they run (q8 activations, AVX-512 VNNI): off keeps the file's layout (A/B runs).
+    # Repack GGUF linears at load for the int8 decode kernels, where they run (q8
+    # activations, AVX-512 VNNI): Q4_K four rows at a time, Q4_0 / Q4_1 / Q8_0 sixteen;
+    # off keeps the file's layout (A/B runs).
     "PAGELLM_GGUF_REPACK": lambda: _bool("PAGELLM_GGUF_REPACK", True),
     # Cache a GGUF file's parsed config and dequantized weights under PAGELLM_CACHE_DIR.
     "PAGELLM_GGUF_CACHE": lambda: _bool("PAGELLM_GGUF_CACHE", True),

@@ -644,7 +644,7 @@ void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int6
  * memory failure. */
 int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
             const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (!pg_type_supported(type)) return -1;
+    if (!pg_type_supported(type) || (pg_is_r16(type) && N % 16)) return -1;
     atomic_int failed = 0;
     PG_TEAM_RUN(N * K * M >= PG_PARALLEL_MIN, {
         float *wrow = (float *)aligned_alloc(64, (size_t)pg_gemm_scratch(K) * sizeof(float));

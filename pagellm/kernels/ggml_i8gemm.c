@@ -476,7 +476,7 @@ int64_t pg_gemm_i8_tile_bytes(int type, int64_t K) {
 int pg_gemm_i8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                int64_t ldy) {
-    if (K % 32 != 0 || !pg_i8gemm_supported(type)) return -1;
+    if (K % 32 != 0 || !pg_i8gemm_supported(type) || (pg_is_r16(type) && N % 16)) return -1;
     const int64_t bytes = pg_gemm_i8_tile_bytes(type, K);
     int failed = 0;
 #pragma omp parallel if (M * N * K >= 1 << 22) reduction(| : failed)

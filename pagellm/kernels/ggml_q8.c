@@ -13,6 +13,7 @@
  *                   SX [M L, K/16] sums of each 16 int8 values, in L levels per row
  *   pg_gemm_q8      Y[m, n] = sum_k X[m, k] * W[n, k] for the types in pg_q8_supported
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -71,14 +72,14 @@ static inline int32_t hsum_epi32(__m256i v) {
 static void quantize_group_avx2(const float *x, int8_t *q, float *d_out, int32_t *s) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], top = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 4; i++) { /* a NaN lane keeps `top`, as the scalar comparison does */
         v[i] = _mm256_loadu_ps(x + 8 * i);
-        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+        top = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), top);
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
     __m256i qi[4];
     for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
     s[0] = hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
@@ -92,7 +93,8 @@ static void quantize_group_avx2(const float *x, int8_t *q, float *d_out, int32_t
 #endif
 
 /* One group of 32 values: q = round(x / d) (to nearest, ties to even), d = max|x| / 127,
- * and the sums of q's two halves. */
+ * and the sums of q's two halves; a group whose d is below FLT_MIN (1/d would overflow)
+ * rounds to zeros. */
 static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) {
 #ifdef PG_AVX2
     quantize_group_avx2(x, q, d_out, s);
@@ -102,7 +104,7 @@ static void quantize_group(const float *x, int8_t *q, float *d_out, int32_t *s) 
         const float a = fabsf(x[j]);
         amax = a > amax ? a : amax;
     }
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, inv = d >= FLT_MIN ? 1.0f / d : 0.0f;
     int32_t s0 = 0, s1 = 0;
     for (int j = 0; j < 32; j++) {
         q[j] = (int8_t)lrintf(x[j] * inv);
@@ -412,20 +414,18 @@ static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8
 #endif
 
 #ifdef PG_AVX2
-/* Row n of a 16-row layout as the file stored it, in a buffer of the calling thread's
- * (grown as needed and kept; NULL where memory ran out): the AVX2 kernels read rows. */
-static const uint8_t *r16_file_row(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, int type) {
-    static __thread uint8_t *buf = NULL;
-    static __thread int64_t cap = 0;
-    if (row_bytes > cap) {
-        free(buf);
-        buf = malloc((size_t)row_bytes);
-        cap = buf != NULL ? row_bytes : 0;
-        if (buf == NULL) return NULL;
-    }
+/* Row n of a 16-row layout against one quantized input row on the AVX2 kernels, a block
+ * at a time (each block put back as the file stored it). */
+static float dot_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
+                     const int8_t *qx, const float *dx, const int32_t *sx) {
     const int base = pg_r16_base(type);
-    for (int64_t g = 0; g < K / 32; g++) pg_r16_file_block(W, row_bytes, n, g, base, buf + g * pg_b32_bytes(base));
-    return buf;
+    uint8_t block[34];
+    float sum = 0.0f;
+    for (int64_t g = 0; g < K / 32; g++) {
+        pg_r16_file_block(W, row_bytes, n, g, base, block);
+        sum += dot_row_q8(base, block, 1, qx + 32 * g, dx + g, sx + 2 * g);
+    }
+    return sum;
 }
 
 /* The levels of one input row summed: Y[row m, column n] for the R quantized rows from
@@ -995,8 +995,6 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
 #endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W + n * row_bytes;
-        if (pg_is_r16(type) && (row = r16_file_row(W, row_bytes, n, K, type)) == NULL) return;
-        const int row_type = pg_is_r16(type) ? pg_r16_base(type) : type;
         for (int64_t m0 = 0; m0 < P; m0 += 4) {
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
@@ -1004,7 +1002,10 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                 out[r] = type == PG_Q4_K_R4
                              ? dot_r4(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
-                             : dot_row_q8(row_type, row, K / 32, QX + (m0 + r) * K,
+                         : pg_is_r16(type)
+                             ? dot_r16(type, W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
+                                       SX + (m0 + r) * (K / 16))
+                             : dot_row_q8(type, row, K / 32, QX + (m0 + r) * K,
                                           DX + (m0 + r) * (K / 32), SX + (m0 + r) * (K / 16));
             store_sums(out, R, m0, levels, Y, ldy, yrows, n);
         }
@@ -1043,7 +1044,9 @@ void pg_gemm_q8_chunk(int type, const uint8_t *W, int64_t row_bytes, int64_t N, 
 int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
-    if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4)) return -1;
+    if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4) ||
+        (pg_is_r16(type) && N % 16) || (type == PG_Q4_K_R4 && N % 4))
+        return -1;
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {
         PG_TEAM_RUN(parallel, pg_gemm_q8_part(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y,

@@ -107,6 +107,27 @@ static void share_by_slots(int parallel, int64_t B, int64_t per, const int64_t *
     *t1 = task_at_slot(total * (team->ith + 1) / team->nth, B, per, lo, hi);
 }
 
+/* 0: the AVX2 attention even where AVX-512 is present (tests compare the two). */
+int pg_attn_wide = 1;
+
+/* Whether this CPU runs tasks512 (compiled for AVX-512 F, BW, VL and DQ). */
+static int attn512(void) {
+#ifdef PG_X86_DISPATCH
+    static volatile int level = -1; /* a race writes the same value */
+    if (level < 0) {
+        __builtin_cpu_init();
+        level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    }
+    return level && pg_attn_wide;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the decode attention runs its AVX-512 tasks here. */
+int pg_attn_isa512(void) { return attn512(); }
+
 #ifdef PG_AVX2
 /* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after reducing x to
  * r + n ln 2, |r| <= ln2 / 2; about 1 ulp. Below -87 (under FLT_MIN) the result is 0. */
@@ -341,8 +362,6 @@ ATTN512 static void tasks512(int64_t t0, int64_t t1, int64_t KVH, int64_t runs, 
 }
 #endif
 
-/* 0: the AVX2 attention even where AVX-512 is present (tests compare the two). */
-int pg_attn_wide = 1;
 
 /* Tasks: (request, KV head, run of up to 4 of its query heads); sc: 4 * (max_slots + 32)
  * floats. */
@@ -361,7 +380,7 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
     int64_t t0, t1;
     share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
 #ifdef PG_X86_DISPATCH
-    if (pg_attn_wide && pg_isa_level() == 2) {
+    if (attn512()) {
         tasks512(t0, t1, KVH, runs, run, group, q, ldq, H, D, kt, k_store, v_store, NB, table,
                  table_stride, lo, hi, scale, cap, out, sc, stride);
         return;

@@ -21,7 +21,8 @@ BS, H, KVH, D = 4, 6, 2, 8
 
 def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0,
                  geometry: tuple[int, int, int, int] = (BS, H, KVH, D),
-                 kv_dtype: torch.dtype = torch.float32, lib: object = None) -> tuple[torch.Tensor, ...]:
+                 kv_dtype: torch.dtype = torch.float32, lib: object = None,
+                 soft_cap: float | None = None) -> tuple[torch.Tensor, ...]:
     """Fill a cache with random K/V for every request's context through prefill-sized
     writes, then run one decode step; returns (output, K cache, V cache). geometry:
     (block size, query heads, KV heads, head dim); kv_dtype: the cache's storage; lib:
@@ -32,7 +33,7 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, kv_dtype, torch.device("cpu"))
     k_cache.zero_()
     v_cache.zero_()
-    impl = TorchAttentionImpl(H, D, D**-0.5, KVH)
+    impl = TorchAttentionImpl(H, D, D**-0.5, KVH, logits_soft_cap=soft_cap)
     if lib is not None:  # another build of the kernels
         impl.kernels = lib
     if not use_c:
@@ -133,19 +134,21 @@ def test_c_decode_over_a_half_width_cache(seq_lens: list[int], window: int | Non
 def test_avx512_decode_gives_the_avx2_bits(geometry: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
     """Where the CPU has AVX-512 the decode attention runs twice as wide with the same
     chains of operations: its output equals the AVX2 path's bit for bit (heads in runs of
-    1-4, every cache type, a window)."""
+    1-4, every cache type, a window, Gemma 2's score cap)."""
     import ctypes
 
     lib = load_kernels()
-    if lib.pg_isa_level() != 2:
-        pytest.skip("this CPU has no AVX-512F: only the AVX2 path runs here")
+    if not lib.pg_attn_isa512():
+        pytest.skip("this CPU has no AVX-512 F/BW/VL/DQ: only the AVX2 path runs here")
     wide = ctypes.c_int.in_dll(lib, "pg_attn_wide")
     outs = []
     try:
         for value in (1, 0):
             wide.value = value
-            outs.append([_decode_step(lens, window, use_c=True, geometry=geometry, kv_dtype=kv_dtype)[0]
-                         for lens, window in (([7, 1, 30], None), ([200, 9], None), ([200, 9], 13))])
+            outs.append([_decode_step(lens, window, use_c=True, geometry=geometry, kv_dtype=kv_dtype,
+                                      soft_cap=cap)[0]
+                         for lens, window, cap in (([7, 1, 30], None, None), ([200, 9], None, None),
+                                                   ([200, 9], 13, None), ([200, 9], None, 0.5))])
     finally:
         wide.value = 1
     for a, b in zip(*outs):

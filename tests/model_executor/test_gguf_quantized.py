@@ -143,7 +143,7 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
     quant = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
     flat = get_model(make_model_config(q4_k_m_file), torch.device("cpu"), backend)
     attn = quant.model.layers[0].self_attn
-    q4_k = "Q4_K_R4" if gguf_method.repack_q4_k() else "Q4_K"  # repacked where q8 runs on VNNI
+    q4_k = "Q4_K_R4" if gguf_method.repack_weights() else "Q4_K"  # repacked where q8 runs on VNNI
     assert [_type_name(g.qtype) for g in attn.qkv_proj.weight_groups] == [q4_k, "Q6_K"]
     assert not any(p.dim() == 2 for p in quant.parameters())  # only norms are float
     checked: set[str] = set()
@@ -561,6 +561,9 @@ def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_repack_r16(r16_t, data.ctypes.data, data.shape[1], 40, k, bad.ctypes.data) == -1
     assert lib.pg_repack_r16(r16_t, data.ctypes.data, data.shape[1], n, 48, bad.ctypes.data) == -1
     assert lib.pg_repack_r16(file_t, data.ctypes.data, data.shape[1], n, k, bad.ctypes.data) == -1
+    qx, dx, sx = torch.empty(1, k, dtype=torch.int8), torch.empty(1, k // 32), torch.empty(1, k // 16, dtype=torch.int32)
+    assert lib.pg_gemm_q8(r16_t, r16.ctypes.data, r16.shape[1], 40, k, qx.data_ptr(), dx.data_ptr(),
+                          sx.data_ptr(), 1, 1, torch.empty(1, 40).data_ptr(), 40) == -1  # 40 rows: no whole groups
     odd = gguf_method.WeightGroup(file_t, data[:40], 0, 40)
     assert gguf_method._repacked(odd, k) is odd
     assert gguf_method._repacked(plain[0], k).qtype == r16_t
@@ -578,12 +581,12 @@ def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> Non
         return [_type_name(g.qtype) for g in groups], weights_summary(model)
 
     monkeypatch.setenv("PAGELLM_GGUF_REPACK", "0")
-    assert not gguf_method.repack_q4_k()
+    assert not gguf_method.repack_weights()
     assert types(gguf_activations="q8")[0] == ["Q4_K", "Q4_K"]
     monkeypatch.delenv("PAGELLM_GGUF_REPACK")
     assert types(gguf_activations="float32")[0] == ["Q4_K", "Q4_K"]
     if kernels.load_kernels().pg_q8_isa() != 2:
-        assert not gguf_method.repack_q4_k()
+        assert not gguf_method.repack_weights()
         pytest.skip("this CPU has no AVX-512 VNNI (avx512vnni, avx512bw, avx512vl, avx512dq): "
                     "nothing is repacked")
     names, summary = types(gguf_activations="q8")
@@ -614,7 +617,7 @@ def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_
     assert torch.equal(model.model.embed_tokens(ids), exact.model.embed_tokens(ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4", "Q8_0_R16"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
     (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
@@ -629,6 +632,11 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     if qtype == "Q4_K_R4":  # Q4_K repacked: chunks of whole groups of 4 rows
         data = _repack_r4(lib, np.ascontiguousarray(random_blocks("Q4_K", n, k, rng)), n, k)
         t = gguf_method.Q4_K_R4_TYPE
+    elif qtype == "Q8_0_R16":  # Q8_0 repacked: chunks of whole groups of 16 rows
+        n = 4112
+        plain = np.ascontiguousarray(random_blocks("Q8_0", n, k, rng))
+        data, t = np.empty_like(plain), gguf_method.R16_TYPES[8]
+        assert lib.pg_repack_r16(t, plain.ctypes.data, plain.shape[1], n, k, data.ctypes.data) == 0
     else:
         data = random_blocks(qtype, n, k, rng)
         t = int(gguf.GGMLQuantizationType[qtype])

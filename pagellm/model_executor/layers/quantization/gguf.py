@@ -138,7 +138,7 @@ class GGUFConfig(QuantizationConfig):
             # the head's int8 activations in two levels (HEAD_INT8_LEVELS)
             levels = HEAD_INT8_LEVELS if prefix == "lm_head" else INT8_LEVELS[self.activations]
             q8 = self.activations != "float32"
-            return GGUFLinearMethod(q8_activations=q8, int8_levels=levels, repack=q8 and repack_q4_k())
+            return GGUFLinearMethod(q8_activations=q8, int8_levels=levels, repack=q8 and repack_weights())
         if isinstance(layer, Embedding):
             return GGUFEmbeddingMethod()
         return None
@@ -231,7 +231,7 @@ def _owned_rows(part: Any) -> np.ndarray:
 
 class GGUFLinearMethod(QuantizeMethodBase):
     """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`); `repack`: Q4_K, Q4_0, Q4_1
-    and Q8_0 groups repacked after loading (repack_q4_k)."""
+    and Q8_0 groups repacked after loading (repack_weights)."""
 
     def __init__(self, q8_activations: bool = False, int8_levels: int = 1, repack: bool = False) -> None:
         self.q8_activations = q8_activations
@@ -304,7 +304,7 @@ TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4", 102: "Q4_0_R16", 103: "Q4_1_R16", 108: "Q
 """Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
 
 
-def repack_q4_k() -> bool:
+def repack_weights() -> bool:
     """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K as
     Q4_K_R4, Q4_0 / Q4_1 / Q8_0 as their R16 layouts): where those kernels run on AVX-512
     VNNI. Q4_K_R4's kernel multiplies four weight rows per instruction and unpacks their
