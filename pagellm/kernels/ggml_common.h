@@ -23,6 +23,10 @@
  * (ggml_gemm.c). */
 int pg_isa_level(void);
 
+/* Whether the CPU has AVX-512 F, BW, VL and DQ, what the other AVX-512 kernels (the int8
+ * ones with VNNI besides, the decode attention) are compiled for; detected once. */
+int pg_avx512_full(void);
+
 /* Q4_K weights repacked at load, four rows at a time (pg_repack_q4_k_r4, ggml_cpu.c), for
  * the int8 decode kernels: not a ggml type. Per group of 4 rows and super-block of 256
  * values, PG_R4_SB bytes:
@@ -85,6 +89,36 @@ static inline void pg_r16_file_block(const uint8_t *W, int64_t row_bytes, int64_
     const uint8_t *v = b + 16 * head;
     for (int c = 0; c < vecs; c++) memcpy(out + head + 4 * c, v + 64 * c + 4 * w, 4);
 }
+
+#ifdef PG_X86_DISPATCH
+#define PG_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+typedef int32_t __attribute__((may_alias, aligned(1))) pg_i32u; /* 4 input bytes as one lane */
+
+/* One input row against a block of 16 weight rows in ggml_i8gemm.c's tile order (w[c]:
+ * values 4c .. 4c+3 of each row, u8): acc plus the 16 rows' products. x: the row's 32
+ * int8 values, dg their scale, s0 and s1 the sums of their halves; s: the rows' scales.
+ * Affine types add their minimums m times dg (s0 + s1); the others take their zero point
+ * `off` off the integer sums. The int8 GEMM (rows_vnni) and the R16 decode kernel
+ * (r16_rows, ggml_q8.c) both call it, so a row gets the same bits from either. */
+PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row(
+    const __m512i *w, __m512 s, __m512 m, const int affine, int off, const int8_t *x, float dg,
+    int32_t s0, int32_t s1, __m512 acc) {
+    const pg_i32u *x4 = (const pg_i32u *)x; /* broadcast from memory */
+    __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+    __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
+    for (int c = 2; c < 8; c += 2) {
+        even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
+        odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
+    }
+    __m512i sum = _mm512_add_epi32(even, odd);
+    if (affine) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc);
+        return _mm512_fmadd_ps(m, _mm512_set1_ps(dg * (float)(s0 + s1)), acc);
+    }
+    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc);
+}
+#endif
 
 /* The float16 at p as a float (F16C where built with it, else by its bits). */
 static inline float pg_f16(const uint8_t *p) {

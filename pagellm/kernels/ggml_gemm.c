@@ -110,6 +110,20 @@ int pg_isa_level(void) {
     return level;
 }
 
+int pg_avx512_full(void) {
+    static volatile int level = -1; /* a race writes the same value */
+    if (level < 0) {
+        int l = 0;
+#ifdef PG_X86_DISPATCH
+        __builtin_cpu_init();
+        l = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+        level = l;
+    }
+    return level;
+}
+
 /* The CPU's kernel. */
 static kernel pick_kernel(void) {
 #ifdef PG_X86_DISPATCH

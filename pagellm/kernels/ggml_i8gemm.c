@@ -224,8 +224,7 @@ static void row_portable(int kind, int off, const uint8_t *tile, int64_t G, cons
 }
 
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
-#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
-typedef int32_t __attribute__((may_alias, aligned(1))) i32u; /* 4 input bytes as one lane */
+#define VNNI512 PG_VNNI512
 
 /* unpack_group's values as one vector (the scales as there): the AVX-512 path's tiles. */
 static inline VNNI512 __m256i group_vec(int type, const uint8_t *row, int64_t g, float *s, float *m) {
@@ -366,8 +365,11 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(t + 64 * c));
         const __m512 s = _mm512_loadu_ps(f);
+        /* the tile holds minus the minimums (unpack_group's m) */
+        const __m512 mins = kind == AFFINE ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(f + 16))
+                                           : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const i32u *x4 = (const i32u *)(q[r] + 32 * g); /* broadcast from memory */
+            const pg_i32u *x4 = (const pg_i32u *)(q[r] + 32 * g); /* broadcast from memory */
             const float dg = d[r][g];
             const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
             if (kind == SIGNED16) {
@@ -385,21 +387,7 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
                                          _mm512_mul_ps(_mm512_loadu_ps(f + 16), dv), acc[r]);
                 continue;
             }
-            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
-            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
-            for (int c = 2; c < 8; c += 2) {
-                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
-                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
-            }
-            __m512i sum = _mm512_add_epi32(even, odd);
-            if (kind == AFFINE) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(f + 16)),
-                                         _mm512_set1_ps(dg * (float)(s0 + s1)), acc[r]);
-            } else {
-                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
-            }
+            acc[r] = pg_tile_row(w, s, mins, kind == AFFINE, off, q[r] + 32 * g, dg, s0, s1, acc[r]);
         }
     }
 }

@@ -448,7 +448,7 @@ static inline void store_sums(const float *out, int R, int64_t m0, int64_t level
  * unsigned weight values (offsets subtracted through the sums of x) against 64 int8
  * activations, 16 int32 lanes of 4 products; lanes of one group share its scale, which a
  * permute spreads from a vector of the super-block's (or 8 blocks') scales. */
-#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#define VNNI512 PG_VNNI512
 #define ROWS512 4
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -456,8 +456,7 @@ static int vnni512(void) {
     static volatile int level = -1; /* a race writes the same value */
     if (level < 0) {
         __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        level = pg_avx512_full() && __builtin_cpu_supports("avx512vnni");
     }
     return level && pg_q8_wide;
 }
@@ -785,7 +784,6 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
  * fused multiply-add per two blocks of every row and input row. The same operations in the
  * same order as ggml_i8gemm.c's rows_vnni: an input row gets the numbers the int8 GEMM
  * gives it. acc[r]: the 16 weight rows against input row r. */
-typedef int32_t __attribute__((may_alias, aligned(1))) q8_i32u; /* 4 input bytes as one lane */
 #define R16_ROWS 8
 VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, int64_t groups,
                                            const int8_t *qx, const float *dx, const int32_t *sx,
@@ -812,25 +810,9 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         const __m512 m = affine ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)))
                                 : _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const q8_i32u *x4 = (const q8_i32u *)(qx + r * K + 32 * g); /* broadcast from memory */
-            const float dg = dx[r * (K / 32) + g];
-            const int32_t s0 = sx[r * (K / 16) + 2 * g], s1 = sx[r * (K / 16) + 2 * g + 1];
-            __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
-            __m512i odd = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(x4[1]));
-            for (int c = 2; c < 8; c += 2) {
-                even = _mm512_dpbusd_epi32(even, w[c], _mm512_set1_epi32(x4[c]));
-                odd = _mm512_dpbusd_epi32(odd, w[c + 1], _mm512_set1_epi32(x4[c + 1]));
-            }
-            __m512i sum = _mm512_add_epi32(even, odd);
-            if (affine) {
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dg * (float)(s0 + s1)), acc[r]);
-            } else {
-                sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc[r]);
-            }
-        }
+        for (int r = 0; r < R; r++)
+            acc[r] = pg_tile_row(w, s, m, affine, off, qx + r * K + 32 * g, dx[r * (K / 32) + g],
+                                 sx[r * (K / 16) + 2 * g], sx[r * (K / 16) + 2 * g + 1], acc[r]);
     }
 }
 

@@ -111,19 +111,7 @@ static void share_by_slots(int parallel, int64_t B, int64_t per, const int64_t *
 int pg_attn_wide = 1;
 
 /* Whether this CPU runs tasks512 (compiled for AVX-512 F, BW, VL and DQ). */
-static int attn512(void) {
-#ifdef PG_X86_DISPATCH
-    static volatile int level = -1; /* a race writes the same value */
-    if (level < 0) {
-        __builtin_cpu_init();
-        level = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    }
-    return level && pg_attn_wide;
-#else
-    return 0;
-#endif
-}
+static int attn512(void) { return pg_avx512_full() && pg_attn_wide; }
 
 /* Whether the decode attention runs its AVX-512 tasks here. */
 int pg_attn_isa512(void) { return attn512(); }
@@ -269,6 +257,35 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
 }
 
+/* Tasks [t0, t1) of decode_avx2_part: (request, KV head, run of up to 4 of its query
+ * heads), each through heads_fn (decode_heads, or decode_heads512 twice as wide), one copy
+ * per cache type and run length. */
+#define DECODE_HEADS(heads_fn, n, kv)                                                          \
+    case n:                                                                                    \
+        heads_fn(n, kv, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b], scale, \
+                 cap, sc, stride, out, H);                                                     \
+        break;
+#define DECODE_KV_TYPE(heads_fn, kv)                                                           \
+    case kv:                                                                                   \
+        switch (G) {                                                                           \
+            DECODE_HEADS(heads_fn, 1, kv) DECODE_HEADS(heads_fn, 2, kv)                        \
+            DECODE_HEADS(heads_fn, 3, kv) DECODE_HEADS(heads_fn, 4, kv)                        \
+        }                                                                                      \
+        break;
+#define DECODE_TASKS(heads_fn)                                                                 \
+    for (int64_t t = t0; t < t1; t++) {                                                        \
+        const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;                              \
+        const int64_t h0 = kvh * group + t % runs * run;                                       \
+        const int64_t left = kvh * group + group - h0;                                         \
+        const int G = (int)(left < run ? left : run);                                          \
+        const int64_t *row = table + b * table_stride;                                         \
+        switch (kt) {                                                                          \
+            DECODE_KV_TYPE(heads_fn, PG_KV_F32)                                                \
+            DECODE_KV_TYPE(heads_fn, PG_KV_F16)                                                \
+            DECODE_KV_TYPE(heads_fn, PG_KV_BF16)                                               \
+        }                                                                                      \
+    }
+
 #ifdef PG_X86_DISPATCH
 #define ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
@@ -340,25 +357,7 @@ ATTN512 static void tasks512(int64_t t0, int64_t t1, int64_t KVH, int64_t runs, 
                              const int64_t *table, int64_t table_stride, const int64_t *lo,
                              const int64_t *hi, float scale, float cap, float *out, float *sc,
                              int64_t stride) {
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
-        const int64_t h0 = kvh * group + t % runs * run;
-        const int64_t left = kvh * group + group - h0;
-        const int G = (int)(left < run ? left : run);
-        const int64_t *row = table + b * table_stride;
-#define HEADS(n, t)                                                                         \
-    case n:                                                                                 \
-        decode_heads512(n, t, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b], \
-                        scale, cap, sc, stride, out, H);                                    \
-        break;
-#define KV_TYPE(t)                                                                          \
-    case t:                                                                                 \
-        switch (G) { HEADS(1, t) HEADS(2, t) HEADS(3, t) HEADS(4, t) }                      \
-        break;
-        switch (kt) { KV_TYPE(PG_KV_F32) KV_TYPE(PG_KV_F16) KV_TYPE(PG_KV_BF16) }
-#undef KV_TYPE
-#undef HEADS
-    }
+    DECODE_TASKS(decode_heads512);
 }
 #endif
 
@@ -375,7 +374,7 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
      * too few tasks for the threads (one long request) */
     int64_t run = group < 4 ? group : 4;
     if (B * KVH * ((group + run - 1) / run) < 8) run = 1;
-    const int64_t runs = (group + run - 1) / run, tasks = B * KVH * runs;
+    const int64_t runs = (group + run - 1) / run;
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
     int64_t t0, t1;
     share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
@@ -386,25 +385,7 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
         return;
     }
 #endif
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t b = t / (KVH * runs), kvh = t / runs % KVH;
-        const int64_t h0 = kvh * group + t % runs * run;
-        const int64_t left = kvh * group + group - h0;
-        const int G = (int)(left < run ? left : run);
-        const int64_t *row = table + b * table_stride;
-#define HEADS(n, t)                                                                         \
-    case n:                                                                                 \
-        decode_heads(n, t, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b],   \
-                     scale, cap, sc, stride, out, H);                                       \
-        break;
-#define KV_TYPE(t)                                                                          \
-    case t:                                                                                 \
-        switch (G) { HEADS(1, t) HEADS(2, t) HEADS(3, t) HEADS(4, t) }                      \
-        break;
-        switch (kt) { KV_TYPE(PG_KV_F32) KV_TYPE(PG_KV_F16) KV_TYPE(PG_KV_BF16) }
-#undef KV_TYPE
-#undef HEADS
-    }
+    DECODE_TASKS(decode_heads);
 }
 #endif
 

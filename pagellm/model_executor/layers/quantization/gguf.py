@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from torch import nn
@@ -300,7 +301,8 @@ R16_TYPES = {2: 102, 3: 103, 8: 108}
 """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
 file's type -> pagellm's layout, read by the kernels wherever they read the file's type."""
 
-TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4", 102: "Q4_0_R16", 103: "Q4_1_R16", 108: "Q8_0_R16"}
+TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4",
+              **{r16: f"{gguf.GGMLQuantizationType(t).name}_R16" for t, r16 in R16_TYPES.items()}}
 """Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
 
 
