@@ -286,10 +286,94 @@ static inline VNNI512 __m256i group_vec(int type, const uint8_t *row, int64_t g,
     }
 }
 
+/* A tile group's values from row order (row i's 32 bytes at 32i) to the tile's (dword c
+ * of every row in vector c): a 16 x 8 dword transpose, three rounds of two-register
+ * permutes, each trading one bit of the register number for one of the lane number. */
+static inline VNNI512 void transpose_values(uint8_t *t) {
+    const __m512i a0 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    const __m512i a1 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    const __m512i b0 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    const __m512i b1 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    /* the last round also puts each register's lanes in row order */
+    const __m512i c0 = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
+    const __m512i c1 = _mm512_setr_epi32(4, 12, 5, 13, 6, 14, 7, 15, 20, 28, 21, 29, 22, 30, 23, 31);
+    __m512i z[8], y[8];
+    for (int k = 0; k < 8; k++) z[k] = _mm512_loadu_si512(t + 64 * k);
+    for (int k = 0; k < 8; k += 2) {
+        y[k] = _mm512_permutex2var_epi32(z[k], a0, z[k + 1]);
+        y[k + 1] = _mm512_permutex2var_epi32(z[k], a1, z[k + 1]);
+    }
+    for (int k = 0; k < 8; k++) {
+        if (k & 2) continue;
+        z[k] = _mm512_permutex2var_epi32(y[k], b0, y[k + 2]);
+        z[k + 2] = _mm512_permutex2var_epi32(y[k], b1, y[k + 2]);
+    }
+    for (int k = 0; k < 4; k++) {
+        _mm512_storeu_si512(t + 64 * k, _mm512_permutex2var_epi32(z[k], c0, z[k + 4]));
+        _mm512_storeu_si512(t + 64 * (k + 4), _mm512_permutex2var_epi32(z[k], c1, z[k + 4]));
+    }
+}
+
+/* Rows [r0, r0 + 16) of a Q4_K_R4 matrix (four groups of four rows) into the tile, a
+ * sub-block at a time: each group's 64 bytes hold its four rows' 16 bytes, so a dword
+ * transpose within each group, then of 128-bit lanes across the four, puts bytes 4c .. 4c+3
+ * of all sixteen rows in one vector (low nibbles: values 4c.., high: 16 + 4c..); the
+ * scales and minimums of sixteen rows are one product each. unpack_group_r4's tile. */
+static VNNI512 void unpack_tile_r4(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
+                                   uint8_t *tile) {
+    const int64_t stride = group_bytes(AFFINE);
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    /* within a group's 64 bytes (4 rows x 4 dwords): dword c of row r to lane c, place r */
+    const __m512i by_column = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int64_t sb = 0; sb < G / 8; sb++) {
+        const uint8_t *b[4];
+        int64_t dh[4], mh[4];
+        for (int q = 0; q < 4; q++) {
+            b[q] = pg_r4_block(W, row_bytes, r0 + 4 * q, sb);
+            memcpy(&dh[q], b[q], 8);
+            memcpy(&mh[q], b[q] + 8, 8);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_set_epi64x(dh[3], dh[2], dh[1], dh[0]));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_set_epi64x(mh[3], mh[2], mh[1], mh[0]));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *t = tile + (8 * sb + j) * stride;
+            int32_t sc[4], mn[4];
+            __m512i y[4];
+            for (int q = 0; q < 4; q++) {
+                memcpy(&sc[q], b[q] + PG_R4_SCALES + 4 * j, 4);
+                memcpy(&mn[q], b[q] + PG_R4_MINS + 4 * j, 4);
+                y[q] = _mm512_permutexvar_epi32(by_column, _mm512_loadu_si512(pg_r4_values(b[q], 0, j)));
+            }
+            /* lane c of y[q]: dword c of rows 4q .. 4q+3 */
+            const __m512i p01 = _mm512_shuffle_i32x4(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i p23 = _mm512_shuffle_i32x4(y[2], y[3], _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i q01 = _mm512_shuffle_i32x4(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512i q23 = _mm512_shuffle_i32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512i v[4] = {_mm512_shuffle_i32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_i32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)),
+                                  _mm512_shuffle_i32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_i32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1))};
+            for (int c = 0; c < 4; c++) {
+                _mm512_storeu_si512(t + 64 * c, _mm512_and_si512(v[c], low4));
+                _mm512_storeu_si512(t + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v[c], 4), low4));
+            }
+            float *f = (float *)(t + 512);
+            const __m128i scv = _mm_set_epi32(sc[3], sc[2], sc[1], sc[0]);
+            const __m128i mnv = _mm_set_epi32(mn[3], mn[2], mn[1], mn[0]);
+            _mm512_storeu_ps(f, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scv))));
+            _mm512_storeu_ps(f + 16, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnv))));
+        }
+    }
+}
+
 /* unpack_tile with group_vec: the same tile. */
 static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_t row_bytes,
                                     int64_t N, int64_t r0, int64_t G, uint8_t *tile) {
     const int64_t stride = group_bytes(kind);
+    if (type == PG_Q4_K_R4 && N - r0 >= 16) {
+        unpack_tile_r4(W, row_bytes, r0, G, tile);
+        return;
+    }
     if (pg_is_r16(type) && N - r0 >= 16) { /* 16 rows already in the tile's order: unpack */
         const int base = pg_r16_base(type), head = base == 3 ? 64 : 32;
         const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -315,40 +399,31 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
         }
         return;
     }
-    for (int64_t i = 0; i < 16; i++) {
-        const int have = r0 + i < N;
-        const uint8_t *row = W + (r0 + i) * row_bytes;
-        for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = 0; g < G; g++) {
+        uint8_t *t = tile + g * stride;
+        float *f = (float *)(t + 512);
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = r0 + i;
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
             __m256i v = _mm256_setzero_si256();
-            if (have && type == PG_Q4_K_R4) { /* row r0 + i's 16 bytes of the sub-block */
-                const int64_t n = r0 + i;
+            if (n < N && type == PG_Q4_K_R4) { /* row n's 16 bytes of the sub-block */
                 const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
                 pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], &m);
                 s[1] = s[0];
                 v = pg_nibbles_32(pg_r4_values(b, (int)(n & 3), (int)(g & 7)));
-            } else if (have && pg_is_r16(type)) {
+            } else if (n < N && pg_is_r16(type)) {
                 uint8_t block[34];
-                pg_r16_file_block(W, row_bytes, r0 + i, g, pg_r16_base(type), block);
+                pg_r16_file_block(W, row_bytes, n, g, pg_r16_base(type), block);
                 v = group_vec(pg_r16_base(type), block, 0, s, &m);
-            } else if (have) {
-                v = group_vec(type, row, g, s, &m);
+            } else if (n < N) {
+                v = group_vec(type, W + n * row_bytes, g, s, &m);
             }
-            uint8_t *t = tile + g * stride;
-            const __m128i v0 = _mm256_castsi256_si128(v), v1 = _mm256_extracti128_si256(v, 1);
-            *(int32_t *)(t + 0 * 64 + i * 4) = _mm_cvtsi128_si32(v0);
-            *(int32_t *)(t + 1 * 64 + i * 4) = _mm_extract_epi32(v0, 1);
-            *(int32_t *)(t + 2 * 64 + i * 4) = _mm_extract_epi32(v0, 2);
-            *(int32_t *)(t + 3 * 64 + i * 4) = _mm_extract_epi32(v0, 3);
-            *(int32_t *)(t + 4 * 64 + i * 4) = _mm_cvtsi128_si32(v1);
-            *(int32_t *)(t + 5 * 64 + i * 4) = _mm_extract_epi32(v1, 1);
-            *(int32_t *)(t + 6 * 64 + i * 4) = _mm_extract_epi32(v1, 2);
-            *(int32_t *)(t + 7 * 64 + i * 4) = _mm_extract_epi32(v1, 3);
-            float *f = (float *)(t + 512);
+            _mm256_storeu_si256((__m256i *)(t + 32 * i), v); /* row after row, for now */
             f[i] = s[0];
             if (kind == SIGNED16) f[16 + i] = s[1];
             if (kind == AFFINE) f[16 + i] = m;
         }
+        transpose_values(t);
     }
 }
 
