@@ -193,6 +193,31 @@ class ParallelConfig:
     engine_iteration_timeout_s: float = 60.0
     """Seconds an engine core may go with work and no progress (or no heartbeat at all)
     before its client treats it as hung: kills it and handles it as a death. 0: never."""
+    data_parallel_size_local: int | None = None
+    """Ranks this node runs (data_parallel_start_rank onwards); None: every rank from the
+    start rank on. The head runs ranks 0..n-1; `--headless` nodes run the others."""
+    data_parallel_start_rank: int = 0
+    """First rank this node runs (0 on the head)."""
+    data_parallel_address: str | None = None
+    """The head's address for the engine sockets (TCP). None: one machine, IPC sockets."""
+    data_parallel_rpc_port: int = 29550
+    """The head binds its request socket on this port and its output socket on port + 1."""
+
+    @property
+    def local_ranks(self) -> range:
+        """The data-parallel ranks whose engine-core processes this node starts."""
+        start = self.data_parallel_start_rank
+        n = self.data_parallel_size - start if self.data_parallel_size_local is None else self.data_parallel_size_local
+        return range(start, start + n)
+
+    @property
+    def num_engines_on_this_machine(self) -> int:
+        """Engine cores that share this machine's CPU cores: the ranks this node runs when
+        ranks span nodes (data_parallel_address), else every rank (one machine, including
+        one server per rank behind an external balancer)."""
+        if self.data_parallel_address is None:
+            return self.data_parallel_size
+        return max(1, len(self.local_ranks))
 
 
 @dataclass(frozen=True)
@@ -301,7 +326,51 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     """None: no speculative decoding."""
 
+    def fingerprint(self) -> dict[str, str]:
+        """What every data-parallel rank must agree on, field by field (values as text): a
+        node builds its config from its own flags, and the head refuses a rank whose
+        fingerprint differs from its own (pagellm/engine/handshake.py). Scheduling limits
+        and memory budgets may differ between nodes; what changes a request's result or
+        what the frontend may send may not."""
+        mc, cc = self.model_config, self.cache_config
+        return {
+            "model": f"{mc.architecture} {_model_digest(mc)}",
+            "dtype": mc.dtype,
+            "quantization": str(mc.quantization),
+            "gguf_activations": mc.gguf_activations,
+            "kv_cache_dtype": cc.cache_dtype,
+            "max_model_len": str(mc.max_model_len),
+            "block_size": str(cc.block_size),
+            "max_logprobs": str(mc.max_logprobs),
+            "runner": mc.runner_type,
+            "pooler_config": repr(mc.pooler_config),
+            "seed": str(mc.seed),
+            "data_parallel_size": str(self.parallel_config.data_parallel_size),
+            "attention_backend": self.attention_config.backend,
+            "structured_outputs_backend": self.structured_outputs_config.backend,
+            "reasoning_parser": self.structured_outputs_config.reasoning_parser,
+            "speculative_config": repr(self.speculative_config),
+        }
+
     def with_data_parallel_rank(self, rank: int) -> EngineConfig:
         return dataclasses.replace(
             self, parallel_config=dataclasses.replace(self.parallel_config, data_parallel_rank=rank)
         )
+
+
+def _model_digest(mc: ModelConfig) -> str:
+    """The model's identity without reading its weights: a hash of its architecture
+    config and the size in bytes of its weight files (a GGUF file, or a directory's
+    safetensors), so two quantizations of one model differ. Its path may differ by node."""
+    import hashlib
+    import json
+    import os
+
+    path = mc.model_path
+    if os.path.isdir(path):
+        size = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith((".safetensors", ".bin", ".gguf")))
+    else:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+    text = json.dumps(mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else repr(mc.hf_config),
+                      sort_keys=True, default=repr)
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:12]} {size} bytes"

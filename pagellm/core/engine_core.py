@@ -52,6 +52,7 @@ class EngineCore:
         _set_num_threads(config)
         if config.model_config.seed is not None:  # None: unseeded, as in vLLM
             torch.manual_seed(config.model_config.seed)
+        self.fingerprint = config.fingerprint()  # as asked for: the head compares flags, not kernels
         config = _confirm_quantization(config)
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
@@ -92,7 +93,9 @@ class EngineCore:
 
     def ready_response(self) -> EngineCoreReadyResponse:
         return EngineCoreReadyResponse(num_gpu_blocks=self.config.cache_config.num_gpu_blocks or 0,
-                                       quantization=self.config.model_config.quantization)
+                                       quantization=self.config.model_config.quantization,
+                                       rank=self.config.parallel_config.data_parallel_rank or 0,
+                                       fingerprint=self.fingerprint)
 
     # -- requests --------------------------------------------------------------------
 
@@ -203,4 +206,4 @@ def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:
 
 def _set_num_threads(config: EngineConfig) -> None:
     platform_of(config.device_config.device).set_num_threads(
-        config.parallel_config.data_parallel_size, envs.PAGELLM_NUM_THREADS)
+        config.parallel_config.num_engines_on_this_machine, envs.PAGELLM_NUM_THREADS)

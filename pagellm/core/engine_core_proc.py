@@ -26,6 +26,7 @@ from pagellm.core import ENGINE_STOP_SIGNAL, serial
 from pagellm.core.engine_core import EngineCore
 from pagellm.core.protocol import (
     ENGINE_CORE_DEAD,
+    ENGINE_REFUSED_EXIT_CODE,
     HANDSHAKE_FAILED,
     HEARTBEAT_INTERVAL_S,
     EngineCoreOutputs,
@@ -50,6 +51,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType | None, Any]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = False
+        self.exit_status = 0  # set by the frontend's STOP: 1 declared dead, or refused
         self._threads = [
             threading.Thread(target=self._input_loop, args=(input_address,), daemon=True),
             threading.Thread(target=self._output_loop, args=(output_address,), daemon=True),
@@ -63,7 +65,7 @@ class EngineCoreProc:
     def _input_loop(self, address: str) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, engine_identity(self.rank))
+        sock.setsockopt(zmq.IDENTITY, engine_identity(self.rank, _incarnation()))
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         sock.send(serial.encode(self.engine.ready_response()))
@@ -72,7 +74,11 @@ class EngineCoreProc:
                 continue
             kind, payload = sock.recv_multipart(copy=False)
             try:
-                self._receive(EngineCoreRequestType(bytes(kind.buffer)), payload.buffer)
+                req_type = EngineCoreRequestType(bytes(kind.buffer))
+                if req_type == EngineCoreRequestType.STOP:
+                    self._stop(*serial.stop_decoder.decode(payload.buffer))
+                    return
+                self._receive(req_type, payload.buffer)
             except Exception as e:
                 # A message this core cannot read: its sender would wait forever for an
                 # answer, so the core dies and every client gets EngineDeadError.
@@ -91,6 +97,14 @@ class EngineCoreProc:
             self.input_queue.put((req_type, (self.engine.receive_abort(request_ids), request_ids)))
         else:
             self.input_queue.put((req_type, serial.utility_decoder.decode(payload)))
+
+    def _stop(self, reason: str, refused: bool) -> None:
+        """The frontend dropped this core: it stops without a dead frame (the frontend
+        knows), with a status that tells its node whether to start it again."""
+        logger.error("Engine core %d: the frontend %s: %s", self.rank,
+                     "refused its handshake" if refused else "declared it dead", reason)
+        self.exit_status = ENGINE_REFUSED_EXIT_CODE if refused else 1
+        self.shutdown_requested = True
 
     def _output_loop(self, address: str) -> None:
         ctx = zmq.Context.instance()
@@ -164,6 +178,12 @@ class EngineCoreProc:
         self._threads[1].join(timeout=5)
 
 
+def _incarnation() -> bytes:
+    """This process in its ZMQ identity, after the rank: its pid (the head tells its own
+    cores from others' by it) and random bytes (pids repeat across machines)."""
+    return os.getpid().to_bytes(4, "little") + os.urandom(2)
+
+
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:
@@ -184,7 +204,7 @@ def _set_parent_death_signal() -> None:
 
 def _send_startup_failure(input_address: str, rank: int, message: str) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, engine_identity(rank))
+    sock.setsockopt(zmq.IDENTITY, engine_identity(rank, _incarnation()))
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(input_address)
     sock.send_multipart([HANDSHAKE_FAILED, message.encode()])
@@ -232,7 +252,7 @@ def main() -> None:
         sys.exit(1)
     finally:
         engine.shutdown()
-    _exit_now(0)
+    _exit_now(proc.exit_status)
 
 
 def _exit_now(code: int) -> None:

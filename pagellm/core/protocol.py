@@ -35,6 +35,11 @@ class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+    STOP = b"\x04"
+    """The frontend drops this core: payload (reason, refused). refused: its handshake was
+    refused (a config that differs from the head's, a rank taken or out of range), which
+    a restart would not mend; else the frontend declared it dead (no heartbeat) and a new
+    process may take the rank over."""
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -119,6 +124,11 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True, gc=False):
     """The quantization method the model runs with: the config's, or None where the
     config asked for 'gguf' and this process could not build the kernels (the frontend
     resolves 'gguf' from the compiler alone, without importing torch)."""
+    rank: int = 0
+    """The data-parallel rank this core serves."""
+    fingerprint: dict[str, str] = {}
+    """EngineConfig.fingerprint() of this core's config: the head compares it with its own
+    (a core on another node built its config from that node's flags)."""
 
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
@@ -160,11 +170,18 @@ def parse_heartbeat_frame(frame: bytes) -> tuple[int, int, bool]:
     return rank_of_identity(rest[:2]), progress, bool(busy)
 
 
-def engine_identity(rank: int) -> bytes:
-    """The ZMQ identity of rank's engine core (its DEALER socket); the client's ROUTER
-    addresses the engine by it and reads the rank of a handshake frame back from it."""
-    return rank.to_bytes(2, "little")
+def engine_identity(rank: int, incarnation: bytes = b"") -> bytes:
+    """The ZMQ identity of rank's engine core (its DEALER socket): the rank in two bytes,
+    then what tells this process from another claiming the same rank (random bytes; none
+    in heartbeats and dead frames). The client's ROUTER addresses the engine by the
+    identity its accepted handshake came with, and reads the rank back from it."""
+    return rank.to_bytes(2, "little") + incarnation
 
 
 def rank_of_identity(identity: bytes) -> int:
-    return int.from_bytes(identity, "little")
+    return int.from_bytes(identity[:2], "little")
+
+
+ENGINE_REFUSED_EXIT_CODE = 3
+"""Exit status of an engine core whose handshake the frontend refused: its node's
+supervisor does not restart it (the same flags would be refused again)."""

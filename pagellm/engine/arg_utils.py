@@ -122,6 +122,17 @@ class EngineArgs:
     """With external load balancing, the rank this server drives."""
     data_parallel_external_lb: bool = ParallelConfig.data_parallel_external_lb
     """An external router balances load; this frontend talks to one data-parallel rank."""
+    data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
+    """Data-parallel ranks this node runs (from --data-parallel-start-rank on); the
+    others run on --headless nodes that connect to --data-parallel-address. Default: every
+    rank from the start rank on (one machine). 0 on the head: it serves remote ranks only."""
+    data_parallel_start_rank: int = ParallelConfig.data_parallel_start_rank
+    """First rank a --headless node runs (the head runs ranks from 0)."""
+    data_parallel_address: str | None = ParallelConfig.data_parallel_address
+    """Address of the head node: the head binds its engine sockets there (TCP) and
+    --headless nodes connect to it. Default: one machine, IPC sockets."""
+    data_parallel_rpc_port: int = ParallelConfig.data_parallel_rpc_port
+    """Port of the head's engine request socket; its output socket takes the next one."""
     restart_engine_on_failure: bool = ParallelConfig.restart_engine_on_failure
     """Server only: when an engine-core process dies (killed, out of memory, an error in the
     model), fail its in-flight requests with 503, start a new one with the same config and
@@ -327,6 +338,10 @@ class EngineArgs:
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_rank=self.data_parallel_rank,
                 data_parallel_external_lb=self.data_parallel_external_lb,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
                 restart_engine_on_failure=self.restart_engine_on_failure,
                 engine_iteration_timeout_s=self._iteration_timeout(),
             ),
@@ -420,6 +435,7 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         self._iteration_timeout()
+        self._verify_data_parallel_layout()
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
         from pagellm.model_executor.layers.quantization import check_gguf_activations
@@ -433,6 +449,30 @@ class EngineArgs:
                 f"attention_backend must be one of {', '.join(available_attn_backends())}; "
                 f"got {self.attention_backend!r}."
             )
+
+    def _verify_data_parallel_layout(self) -> None:
+        """Which ranks run on this node and where the others connect."""
+        size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.data_parallel_size_local
+        if not isinstance(start, int) or not 0 <= start < size:
+            raise ValueError(f"data_parallel_start_rank must be in [0, {size}) "
+                             f"(data_parallel_size {size}), got {start!r}.")
+        if local is not None and (not isinstance(local, int) or local < 0 or start + local > size):
+            raise ValueError(f"data_parallel_size_local must be in [0, {size - start}] "
+                             f"(ranks {start}..{size - 1} from data_parallel_start_rank {start}), got {local!r}.")
+        port = self.data_parallel_rpc_port
+        if not isinstance(port, int) or not 1 <= port <= 65534:
+            raise ValueError(f"data_parallel_rpc_port must be in [1, 65534] (it and the next port), got {port!r}.")
+        multi_node = (local if local is not None else size - start) < size
+        if multi_node and self.data_parallel_address is None:
+            raise ValueError("Ranks on other nodes (data_parallel_size_local < data_parallel_size, or a "
+                             "data_parallel_start_rank) need data_parallel_address: the head's address, "
+                             "where they connect.")
+        if multi_node and not envs.PAGELLM_REMOTE_ENGINE_TIMEOUT_S > 0:
+            raise ValueError("PAGELLM_REMOTE_ENGINE_TIMEOUT_S must be > 0 seconds (how long the head waits "
+                             f"without a heartbeat from another node's core), got {envs.PAGELLM_REMOTE_ENGINE_TIMEOUT_S}.")
+        if self.data_parallel_external_lb and (multi_node or self.data_parallel_address is not None):
+            raise ValueError("data_parallel_external_lb runs one rank per server; it does not combine "
+                             "with data_parallel_address / data_parallel_size_local.")
 
     def _verify_structured_outputs(self) -> None:
         from pagellm.config import STRUCTURED_OUTPUTS_BACKENDS as backends

@@ -35,22 +35,25 @@ from pagellm.core import ENGINE_STOP_SIGNAL, serial
 from pagellm.core.protocol import (
     ENGINE_CORE_BEAT,
     ENGINE_CORE_DEAD,
-    HANDSHAKE_FAILED,
     EngineCoreOutputs,
     EngineCoreReadyResponse,
     EngineCoreRequest,
     EngineCoreRequestType,
-    engine_identity,
     parse_engine_dead_frame,
     parse_heartbeat_frame,
-    rank_of_identity,
 )
 from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, EngineStartupError
-from pagellm.engine.prestart import (
-    claim_prestarted,
-    launch_engine_process,
-    socket_addresses,
+from pagellm.engine.handshake import (
+    Handshake,
+    HandshakeCheck,
+    engine_addresses,
+    exited_early,
+    pid_of_identity,
+    read_handshake,
+    send_stop,
+    wait_for_ready,
 )
+from pagellm.engine.prestart import claim_prestarted, launch_engine_process
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -188,53 +191,20 @@ def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str,
     procs = []
     for rank in ranks:
         proc = launch_engine_process(rank, input_addr, output_addr)  # + pagellm's OpenMP defaults
-        _send_config(proc, config)
+        send_config(proc, config)
         procs.append(proc)
     return procs
 
 
-def _send_config(proc: subprocess.Popen, config: EngineConfig) -> None:
-    """Hands a started engine process its config (process bootstrap over a pipe, never
-    over ZMQ); it reads it once its imports are done."""
+launch_engines = _launch_engines  # for a --headless node (pagellm/distributed/headless.py)
+
+
+def send_config(proc: subprocess.Popen, config: EngineConfig) -> None:
+    """Hands a started engine process its config (process bootstrap over a pipe to a
+    child on this machine, never over ZMQ); it reads it once its imports are done."""
     assert proc.stdin is not None
     proc.stdin.write(pickle.dumps(config))
     proc.stdin.close()
-
-
-def _parse_handshake(frames: list[bytes]) -> tuple[int, EngineCoreReadyResponse]:
-    """(rank, ready response) of a handshake from the ROUTER; raises EngineStartupError
-    for a FAILED one."""
-    rank = rank_of_identity(frames[0])
-    if frames[1] == HANDSHAKE_FAILED:
-        raise EngineStartupError(f"Engine core initialization failed: {frames[2].decode()}")
-    return rank, serial.ready_decoder.decode(frames[1])
-
-
-def _exited_early(rank: int, proc: subprocess.Popen) -> EngineStartupError:
-    return EngineStartupError(
-        f"Engine core initialization failed: process (rank {rank}) exited with code "
-        f"{proc.returncode}. See its log above."
-    )
-
-
-def _wait_for_ready(sock: zmq.Socket, procs: dict[int, subprocess.Popen]) -> dict[int, EngineCoreReadyResponse]:
-    """Waits for every engine's first frame (READY or FAILED), watching the processes."""
-    ready: dict[int, EngineCoreReadyResponse] = {}
-    deadline = time.monotonic() + envs.PAGELLM_ENGINE_READY_TIMEOUT_S
-    while len(ready) < len(procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError("Timed out waiting for the engine core to start.")
-        if sock.poll(100):
-            rank, response = _parse_handshake(sock.recv_multipart())
-            ready[rank] = response
-            continue
-        for rank, proc in procs.items():
-            if rank not in ready and proc.poll() is not None:
-                # It may have sent FAILED just before exiting: look once more.
-                if sock.poll(200):
-                    continue
-                raise _exited_early(rank, proc)
-    return ready
 
 
 def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> EngineCoreReadyResponse:
@@ -256,15 +226,21 @@ def describe_exit(returncode: int | None) -> str:
 
 
 class HangWatch:
-    """The frontend's watchdog over its engine cores' heartbeats. A core is hung when it
-    has sent no heartbeat for `timeout` seconds (stopped, frozen, or stuck holding the
-    GIL), or when its heartbeats say it has work while its progress count (steps finished
-    and model layers run) has stood still that long (a deadlock, a spinning kernel). A
-    long step is not a hang: its layers move the count. timeout 0: never hung."""
+    """The frontend's watchdog over its engine cores' heartbeats, the one liveness signal
+    for hung cores and for cores on other nodes. A core is hung when it has sent no
+    heartbeat for `timeout` seconds (stopped, frozen, or stuck holding the GIL), or when
+    its heartbeats say it has work while its progress count (steps finished and model
+    layers run) has stood still that long (a deadlock, a spinning kernel). A long step is
+    not a hang: its layers move the count. timeout 0: never hung. A core on another node
+    (`remote_ranks`), which has no process here to watch, is lost after `remote_timeout`
+    seconds with no heartbeat and no output, whatever `timeout` is."""
 
-    def __init__(self, timeout: float, ranks: Sequence[int], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, timeout: float, ranks: Sequence[int], clock: Callable[[], float] = time.monotonic,
+                 remote_ranks: Sequence[int] = (), remote_timeout: float = 0.0):
         self.timeout = timeout
         self.clock = clock
+        self.remote = frozenset(remote_ranks)
+        self.silence = {rank: remote_timeout if rank in self.remote else timeout for rank in ranks}
         now = clock()
         self.heard_at = dict.fromkeys(ranks, now)
         self.progress: dict[int, int | None] = dict.fromkeys(ranks)
@@ -278,6 +254,12 @@ class HangWatch:
         self.heard_at[rank] = self.moved_at[rank] = now
         self.progress[rank], self.busy[rank] = None, False
 
+    def alive(self, rank: int) -> None:
+        """Output from `rank` arrived: a step (or a call) finished, so it is alive and
+        moving (its heartbeats may queue behind outputs on a network)."""
+        if rank in self.heard_at:
+            self.heard_at[rank] = self.moved_at[rank] = self.clock()
+
     def beat(self, frame: bytes) -> None:
         rank, progress, busy = parse_heartbeat_frame(frame)
         if rank not in self.heard_at:
@@ -290,10 +272,11 @@ class HangWatch:
 
     def hung(self, ranks: Sequence[int]) -> list[tuple[int, str]]:
         """(rank, cause) of each of `ranks` that is hung now."""
-        if not self.timeout:
+        limits = [limit for limit in self.silence.values() if limit]
+        if not limits:
             return []
         now = self.clock()
-        if now - self.checked_at > self.timeout / 2:
+        if now - self.checked_at > min(limits) / 2:
             # This process was not listening (its own loop blocked, the machine paused):
             # the silence is ours; judge from now on.
             for rank in self.heard_at:
@@ -301,9 +284,11 @@ class HangWatch:
         self.checked_at = now
         found = []
         for rank in ranks:
-            if now - self.heard_at[rank] > self.timeout:
-                found.append((rank, f"hung: no heartbeat for {self.timeout:g} s"))
-            elif self.busy[rank] and now - self.moved_at[rank] > self.timeout:
+            silence = self.silence[rank]
+            if silence and now - self.heard_at[rank] > silence:
+                what = "lost" if rank in self.remote else "hung"
+                found.append((rank, f"{what}: no heartbeat for {silence:g} s"))
+            elif self.timeout and self.busy[rank] and now - self.moved_at[rank] > self.timeout:
                 found.append((rank, f"hung: no progress for {self.timeout:g} s with work to do"))
         return found
 
@@ -319,11 +304,14 @@ def _kill_hung(res: _BackgroundResources, rank: int, cause: str) -> subprocess.P
 
 
 class MPClient(EngineCoreClient):
-    """Starts engine processes for `ranks` and holds the sockets; subclasses add IO."""
+    """Serves `ranks`: starts the engine processes of those this node runs
+    (ParallelConfig.local_ranks), waits for every rank's accepted handshake (the others
+    come from --headless nodes over TCP) and holds the sockets; subclasses add IO."""
 
     def __init__(self, config: EngineConfig, ranks: Sequence[int], asyncio_mode: bool):
         self.config = config
         self.ranks = list(ranks)
+        self.local_ranks = [r for r in self.ranks if r in config.parallel_config.local_ranks]
         self.resources = _BackgroundResources()
         self._finalizer = weakref.finalize(self, self.resources)
         try:
@@ -333,33 +321,48 @@ class MPClient(EngineCoreClient):
             raise
 
     def _start(self, asyncio_mode: bool) -> None:
-        res = self.resources
-        prestarted = claim_prestarted() if self.ranks == [0] else None
-        res.tmpdir = prestarted.tmpdir if prestarted else tempfile.mkdtemp(prefix="pagellm-")
+        res, pc = self.resources, self.config.parallel_config
+        tcp = pc.data_parallel_address is not None
+        prestarted = claim_prestarted() if self.local_ranks == [0] == self.ranks and not tcp else None
         if prestarted:
+            res.tmpdir = prestarted.tmpdir
             res.procs = {0: prestarted.proc}  # released by the finalizer from here on
-        self.input_addr, self.output_addr = socket_addresses(res.tmpdir)
+        elif not tcp:
+            res.tmpdir = tempfile.mkdtemp(prefix="pagellm-")
+        self.input_addr, self.output_addr = engine_addresses(pc, res.tmpdir)
         self.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         res.ctx = self.ctx
         # Handshake on a plain sync socket; async sockets are made on the same address after.
         sync_ctx = zmq.Context.instance()
         self.input_socket = sync_ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its identity over
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
-        self.input_socket.bind(self.input_addr)
         res.sockets.append(self.input_socket)
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(self.output_addr)
         res.sockets.append(self.output_socket)
+        for sock, addr in ((self.input_socket, self.input_addr), (self.output_socket, self.output_addr)):
+            try:
+                sock.bind(addr)
+            except zmq.ZMQError as e:
+                raise EngineStartupError(f"Cannot bind the engine socket {addr}: {e} (--data-parallel-address "
+                                         "must be this machine's; --data-parallel-rpc-port and the next port free).") from None
 
         if prestarted:
-            _send_config(prestarted.proc, self.config)
+            send_config(prestarted.proc, self.config)
         else:
-            res.procs = dict(zip(self.ranks, _launch_engines(self.config, self.ranks, self.input_addr, self.output_addr)))
-        self.ready = merge_ready_responses(_wait_for_ready(self.input_socket, res.procs))
-        self.identities = {rank: engine_identity(rank) for rank in self.ranks}
-        self.watch = HangWatch(self.config.parallel_config.engine_iteration_timeout_s, self.ranks)
+            res.procs = dict(zip(self.local_ranks, _launch_engines(self.config, self.local_ranks,
+                                                                   self.input_addr, self.output_addr)))
+        self.check = HandshakeCheck(pc.data_parallel_size, self.config.fingerprint(),
+                                    {rank: proc.pid for rank, proc in res.procs.items()})
+        accepted = wait_for_ready(self.input_socket, self.check, self.ranks, res.procs, self.input_addr,
+                                  envs.PAGELLM_ENGINE_READY_TIMEOUT_S)
+        self.ready = merge_ready_responses({rank: response for rank, (_, response) in accepted.items()})
+        self.identities = {rank: identity for rank, (identity, _) in accepted.items()}
+        remote = [r for r in self.ranks if r not in self.local_ranks]
+        if remote:
+            logger.info("Engine cores %s of other nodes joined at %s.", remote, self.input_addr)
+        self.watch = HangWatch(pc.engine_iteration_timeout_s, self.ranks, remote_ranks=remote,
+                               remote_timeout=envs.PAGELLM_REMOTE_ENGINE_TIMEOUT_S)
         self._start_monitor()
 
     def _start_monitor(self) -> None:
@@ -398,7 +401,8 @@ class MPClient(EngineCoreClient):
 
     @property
     def engine_pids(self) -> list[int]:
-        return [self.resources.procs[rank].pid for rank in self.ranks]
+        """The engine-core processes this node runs (not those of other nodes)."""
+        return [self.resources.procs[rank].pid for rank in self.local_ranks]
 
     def ensure_alive(self) -> None:
         if self.engine_dead:
@@ -517,6 +521,7 @@ def _decode_frame(frame: Any, utility: dict, watch: HangWatch) -> EngineCoreOutp
         rank, cause = parse_engine_dead_frame(bytes(buf))  # type: ignore[misc]
         return EngineFailure(rank, cause)
     outputs = serial.outputs_decoder.decode(buf)
+    watch.alive(outputs.engine_index)
     if outputs.utility_output is not None:
         _resolve_utility(utility, outputs.utility_output)
         return None
@@ -561,7 +566,8 @@ class AsyncMPClient(MPClient):
         self.num_restarts: dict[int, int] = dict.fromkeys(ranks, 0)
         self._restart_tasks: set[asyncio.Task] = set()
         self._early_failures: list[tuple[int, subprocess.Popen, str]] = []  # before the loop is known
-        self._handshakes: dict[int, list[bytes]] = {}  # restarting rank -> its handshake frames
+        self._handshake_waiters: dict[int, asyncio.Future] = {}  # local restarting rank -> its READY
+        self._handshake_task: asyncio.Task | None = None
         super().__init__(config, ranks, asyncio_mode=True)
 
     def _ensure_output_task(self) -> None:
@@ -571,6 +577,7 @@ class AsyncMPClient(MPClient):
         self.outputs_queue = asyncio.Queue()
         self._output_task = self._loop.create_task(self._output_loop())
         self._watch_task = self._loop.create_task(self._watch_loop())
+        self._handshake_task = self._loop.create_task(self._handshake_loop())
         if self.resources.engine_dead:
             self._on_engine_dead()
         for failure in self._early_failures:
@@ -590,7 +597,7 @@ class AsyncMPClient(MPClient):
             outputs = _decode_frame(frame, self.utility_results, self.watch)
             if isinstance(outputs, EngineFailure):
                 logger.error("Engine core %d failed: %s", outputs.rank, outputs.cause)
-                if self.restart_on_failure and not res.engine_dead:
+                if self._recovers(outputs.rank) and not res.engine_dead:
                     self._rank_died(outputs.rank, res.procs.get(outputs.rank), outputs.cause)
                     continue
                 res.engine_dead = True
@@ -603,11 +610,17 @@ class AsyncMPClient(MPClient):
 
     async def _watch_loop(self) -> None:
         """The watchdog: a hung rank is killed, then handled as a death (restarted with
-        restart_engine_on_failure, else the whole engine is dead)."""
+        restart_engine_on_failure, else the whole engine is dead). A lost rank of another
+        node is told to stop (should it still run) and waited for again."""
         res = self.resources
         while not (res.engine_dead or res.shutdown_event.is_set()):
             await asyncio.sleep(0.25)
             for rank, cause in self.watch.hung([r for r in self.ranks if r not in self.restarting]):
+                if rank not in self.local_ranks:
+                    logger.error("Engine core %d (another node) is %s.", rank, cause)
+                    send_stop(self.input_socket, self.identities[rank], cause, refused=False)
+                    self._rank_died(rank, None, cause)
+                    continue
                 proc = _kill_hung(res, rank, cause)
                 if self.restart_on_failure:
                     self._rank_died(rank, proc, cause)
@@ -623,6 +636,11 @@ class AsyncMPClient(MPClient):
                 self.in_flight_counts[rank] -= 1
 
     # -- engine death and restart ---------------------------------------------------------
+
+    def _recovers(self, rank: int) -> bool:
+        """Whether a death of `rank` costs only its requests: with restart_engine_on_failure,
+        and always for a rank of another node (its node starts it again)."""
+        return self.restart_on_failure or rank not in self.local_ranks
 
     def _on_process_exit(self, rank: int, proc: subprocess.Popen, cause: str) -> bool:
         if not self.restart_on_failure:
@@ -655,6 +673,9 @@ class AsyncMPClient(MPClient):
                 fut.set_exception(EngineRestartingError(f"Engine core {rank} died ({cause}) and is restarting."))
         assert self.outputs_queue is not None and self._loop is not None
         self.outputs_queue.put_nowait(EngineFailure(rank, cause, lost))
+        if rank not in self.local_ranks:
+            logger.info("Rank %d is served again once its node has started a new engine core.", rank)
+            return
         task = self._loop.create_task(self._restart(rank))
         self._restart_tasks.add(task)
         task.add_done_callback(self._restart_tasks.discard)
@@ -673,9 +694,9 @@ class AsyncMPClient(MPClient):
         for attempt in range(1, self.MAX_RESTART_ATTEMPTS + 1):
             if res.shutdown_event.is_set():
                 return
-            self._handshakes.pop(rank, None)
             (proc,) = _launch_engines(self.config, [rank], self.input_addr, self.output_addr)
             res.procs[rank] = proc
+            self.check.local_pids[rank] = proc.pid
             try:
                 await self._await_handshake(rank, proc)
             except (EngineStartupError, TimeoutError) as e:
@@ -695,28 +716,81 @@ class AsyncMPClient(MPClient):
         self._on_engine_dead()
 
     async def _await_handshake(self, rank: int, proc: subprocess.Popen) -> None:
-        """Polls the ROUTER (on this loop's thread, the socket's only user) for the new
-        process's READY, watching the process. Several ranks may restart at once: each
-        handshake read is kept for its own rank's task."""
+        """Waits for the new process's accepted READY (the handshake loop delivers it),
+        watching the process."""
+        assert self._loop is not None
+        waiter = self._handshake_waiters[rank] = self._loop.create_future()
         deadline = time.monotonic() + envs.PAGELLM_ENGINE_READY_TIMEOUT_S
         exited_at: float | None = None
-        while True:
+        try:
+            while not waiter.done():
+                if proc.poll() is not None:  # a FAILED frame sent just before exiting may still come
+                    exited_at = exited_at or time.monotonic()
+                    if time.monotonic() - exited_at > 0.2:
+                        raise exited_early(rank, proc.returncode)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Timed out waiting for engine core {rank} to start.")
+                await asyncio.sleep(0.05)
+            waiter.result()
+        finally:
+            self._handshake_waiters.pop(rank, None)
+
+    async def _handshake_loop(self) -> None:
+        """Reads every handshake on the ROUTER (this loop's thread is the socket's only
+        user): a restarted local core's READY, a core of another node joining again, or a
+        core to refuse."""
+        res = self.resources
+        while not res.shutdown_event.is_set():
             while self.input_socket.poll(0):
-                frames = self.input_socket.recv_multipart()
-                self._handshakes[rank_of_identity(frames[0])] = frames
-            if rank in self._handshakes:
-                _parse_handshake(self._handshakes.pop(rank))
-                return
-            if proc.poll() is not None:  # a FAILED frame sent just before exiting may still come
-                exited_at = exited_at or time.monotonic()
-                if time.monotonic() - exited_at > 0.2:
-                    raise _exited_early(rank, proc)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Timed out waiting for engine core {rank} to start.")
+                hs = read_handshake(self.input_socket)
+                if hs is not None:
+                    self._on_handshake(hs)
             await asyncio.sleep(0.05)
 
+    def _on_handshake(self, hs: Handshake) -> None:
+        rank = hs.rank
+        waiter = self._handshake_waiters.get(rank)
+        if waiter is not None and waiter.done():
+            waiter = None
+        if hs.response is None:
+            if waiter is not None:
+                waiter.set_exception(hs.startup_error())
+            else:
+                logger.error("Engine core %d (another node) failed to start: %s", rank, hs.failure)
+            return
+        taken = rank in self.identities and rank not in self.restarting
+        if taken and rank not in self.local_ranks and not self._connected(rank):
+            # a new core of another node whose predecessor's connection has closed (it
+            # died) before the heartbeat watch said so: the rank changes hands
+            self._rank_died(rank, None, "its connection closed")
+            taken = False
+        reason = self.check.refusal(hs.identity, hs.response, taken=taken)
+        if reason is not None:
+            logger.error("Refused an engine core for rank %d: %s", rank, reason)
+            send_stop(self.input_socket, hs.identity, reason, refused=True)
+            if waiter is not None and pid_of_identity(hs.identity) == self.check.local_pids.get(rank):
+                waiter.set_exception(EngineStartupError(f"Engine core {rank} was refused: {reason}"))
+            return
+        self.identities[rank] = hs.identity
+        if waiter is not None:
+            waiter.set_result(hs.response)
+        elif rank not in self.local_ranks:
+            self.watch.reset(rank)
+            self.restarting.discard(rank)
+            logger.info("Engine core %d (another node) joined again; serving it.", rank)
+
+    def _connected(self, rank: int) -> bool:
+        """Whether the serving core of `rank` is still connected (an empty abort, which
+        the ROUTER refuses to route to a closed connection)."""
+        try:
+            self.input_socket.send_multipart([self.identities[rank], EngineCoreRequestType.ABORT.value,
+                                              serial.encode([])])
+        except zmq.ZMQError:
+            return False
+        return True
+
     def _unreachable(self, rank: int) -> EngineDeadError:
-        if self.restart_on_failure:
+        if self._recovers(rank):
             return EngineRestartingError(f"Engine core {rank} is not reachable (restarting).")
         return super()._unreachable(rank)
 
@@ -798,7 +872,7 @@ class AsyncMPClient(MPClient):
         return await fut
 
     def shutdown(self) -> None:
-        for task in [self._output_task, self._watch_task, *self._restart_tasks]:
+        for task in [self._output_task, self._watch_task, self._handshake_task, *self._restart_tasks]:
             if task is not None and not task.done():
                 try:
                     task.cancel()

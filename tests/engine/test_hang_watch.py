@@ -148,3 +148,17 @@ def test_a_prefill_step_longer_than_the_timeout_is_not_a_hang() -> None:
         assert len(again.outputs[0].token_ids) == 2
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_remote_rank_is_lost_after_its_own_silence_limit_even_with_the_watchdog_off() -> None:
+    """Rank 1 runs on another node: no process here to watch, so one second without a
+    heartbeat or an output loses it, while the local rank 0 (watchdog off) is never hung."""
+    clock = Clock()
+    watch = HangWatch(0.0, [0, 1], clock, remote_ranks=[1], remote_timeout=1.0)
+    assert clock.advance(0.75, watch, beats=[(1, 5, True)]) == []
+    assert clock.advance(0.75, watch) == []  # 0.75 s of silence: within the limit
+    watch.alive(1)  # an output counts as a sign of life (heartbeats may queue behind outputs)
+    assert clock.advance(1.0, watch) == []
+    assert clock.advance(0.25, watch) == [(1, "lost: no heartbeat for 1 s")]
+    watch.reset(1)  # a new core of that node joined
+    assert clock.advance(0.5, watch) == []

@@ -82,12 +82,13 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _runs_one_engine_process(args: argparse.Namespace) -> bool:
-    """Whether the command will start one engine-core process, rank 0 (generate, chat and
-    serve without data parallelism, multiprocessing on)."""
+    """Whether the command will start one engine-core process, rank 0, on IPC sockets
+    (generate, chat and serve without data parallelism, multiprocessing on)."""
     from pagellm import envs
 
     return (getattr(args, "starts_engine", False) and envs.PAGELLM_ENABLE_MULTIPROCESSING
-            and getattr(args, "data_parallel_size", 1) == 1)
+            and getattr(args, "data_parallel_size", 1) == 1 and not getattr(args, "headless", False)
+            and getattr(args, "data_parallel_address", None) is None)
 
 
 def _version() -> str:

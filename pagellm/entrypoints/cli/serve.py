@@ -64,6 +64,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of uvicorn's own messages.")
+    p.add_argument("--headless", action="store_true",
+                   help="Run engine cores only, no server: ranks --data-parallel-start-rank onwards "
+                        "(--data-parallel-size-local of them) connect to the head node's "
+                        "--data-parallel-address and --data-parallel-rpc-port. Give the model flags "
+                        "the head has: it refuses a core whose config differs.")
     ServingLimits.add_cli_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run, starts_engine=True)
@@ -76,4 +81,21 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit("Give the model either positionally or with --model, not both.")
         args.model = args.model_tag
+    if args.headless:
+        return _run_headless(args)
+    if args.data_parallel_start_rank != 0:
+        raise ValueError("--data-parallel-start-rank is for --headless nodes (the head runs ranks from 0); "
+                         "add --headless.")
     return run_server(args)
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    from pagellm.distributed.headless import run_headless
+
+    if args.data_parallel_address is None:
+        raise ValueError("--headless needs --data-parallel-address: the head node's address, where its "
+                         "engine cores connect.")
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.data_parallel_size_local == 0:
+        raise ValueError("--headless with --data-parallel-size-local 0 would run no engine core.")
+    return run_headless(engine_args.create_engine_config())

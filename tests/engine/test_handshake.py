@@ -1,0 +1,144 @@
+"""The head's rules for a core's handshake (multi-node data parallelism): rank in range,
+no second process for a rank, a rank the head runs only from the head's own process, and
+a config that agrees field by field; the data-parallel flags' own checks; and a start
+that waits for ranks that never come names them."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from pagellm.core.protocol import EngineCoreReadyResponse, engine_identity
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.exceptions import EngineStartupError
+from pagellm.engine.handshake import HandshakeCheck, engine_addresses, fingerprint_diff
+
+HEAD = {"model": "LlamaForCausalLM abc 100 bytes", "max_model_len": "1024", "dtype": "float32"}
+
+
+def _identity(rank: int, pid: int) -> bytes:
+    return engine_identity(rank, pid.to_bytes(4, "little") + b"\x01\x02")
+
+
+def _ready(rank: int, **changes: str) -> EngineCoreReadyResponse:
+    return EngineCoreReadyResponse(num_gpu_blocks=10, rank=rank, fingerprint={**HEAD, **changes})
+
+
+def test_handshake_rules() -> None:
+    check = HandshakeCheck(num_ranks=3, fingerprint=HEAD, local_pids={0: 4242})
+    assert check.refusal(_identity(0, 4242), _ready(0), taken=False) is None  # the head's own rank 0
+    assert check.refusal(_identity(2, 77), _ready(2), taken=False) is None  # a remote rank
+    assert check.refusal(_identity(0, 77), _ready(0), taken=False) == (
+        "rank 0 runs on the head node (its --data-parallel-size-local covers it).")
+    assert check.refusal(_identity(3, 77), _ready(3), taken=False) == (
+        "rank 3 is out of range: data_parallel_size is 3 (ranks 0..2).")
+    assert check.refusal(_identity(2, 78), _ready(2), taken=True) == (
+        "rank 2 is already served by another engine core (overlapping --data-parallel-start-rank?).")
+    assert check.refusal(_identity(1, 77), _ready(2), taken=False) == (
+        "its identity says rank 1 and its handshake rank 2.")
+    assert check.refusal(_identity(1, 77), _ready(1, max_model_len="512", dtype="bfloat16"), taken=False) == (
+        "its config differs from the head's: dtype (head: float32, rank 1: bfloat16); "
+        "max_model_len (head: 1024, rank 1: 512).")
+
+
+def test_fingerprint_names_a_field_only_one_side_has() -> None:
+    assert fingerprint_diff({"a": "1"}, {"a": "1", "b": "2"}, rank=4) == ["b (head: None, rank 4: 2)"]
+
+
+def test_the_fingerprint_covers_what_must_agree_and_not_the_layout(tiny_model) -> None:
+    model = tiny_model("llama")
+    head = EngineArgs(model=model, max_model_len=256, data_parallel_size=2, data_parallel_size_local=1,
+                      data_parallel_address="127.0.0.1").create_engine_config()
+    node = EngineArgs(model=model, max_model_len=256, data_parallel_size=2, data_parallel_start_rank=1,
+                      data_parallel_address="127.0.0.1", max_num_seqs=8).create_engine_config()
+    assert head.fingerprint() == node.fingerprint()  # scheduling limits and rank layout may differ
+    other = dataclasses.replace(node, cache_config=dataclasses.replace(node.cache_config, block_size=32))
+    assert fingerprint_diff(head.fingerprint(), other.fingerprint(), 1) == ["block_size (head: 16, rank 1: 32)"]
+    assert head.parallel_config.local_ranks == range(0, 1) and node.parallel_config.local_ranks == range(1, 2)
+    assert engine_addresses(node.parallel_config, None) == ("tcp://127.0.0.1:29550", "tcp://127.0.0.1:29551")
+    v6 = dataclasses.replace(node.parallel_config, data_parallel_address="::1", data_parallel_rpc_port=7000)
+    assert engine_addresses(v6, None) == ("tcp://[::1]:7000", "tcp://[::1]:7001")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"data_parallel_size": 2, "data_parallel_size_local": 1},
+     "Ranks on other nodes (data_parallel_size_local < data_parallel_size, or a data_parallel_start_rank) "
+     "need data_parallel_address"),
+    ({"data_parallel_size": 2, "data_parallel_size_local": 3}, "data_parallel_size_local must be in [0, 2]"),
+    ({"data_parallel_size": 2, "data_parallel_start_rank": 2}, "data_parallel_start_rank must be in [0, 2)"),
+    ({"data_parallel_size": 2, "data_parallel_start_rank": 1, "data_parallel_size_local": 2},
+     "data_parallel_size_local must be in [0, 1] (ranks 1..1 from data_parallel_start_rank 1), got 2."),
+    ({"data_parallel_rpc_port": 65535}, "data_parallel_rpc_port must be in [1, 65534]"),
+    ({"data_parallel_size": 2, "data_parallel_external_lb": True, "data_parallel_address": "10.0.0.1"},
+     "data_parallel_external_lb runs one rank per server"),
+])
+def test_bad_data_parallel_layouts_are_refused_by_name(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(**kwargs).verify_args()
+
+
+def test_the_cli_has_vllms_multi_node_flags() -> None:
+    from pagellm.entrypoints.cli.main import build_parser
+
+    args = build_parser("serve").parse_args([
+        "serve", "m", "--headless", "-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2",
+        "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345"])
+    assert (args.headless, args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_start_rank,
+            args.data_parallel_address, args.data_parallel_rpc_port) == (True, 4, 2, 2, "10.0.0.1", 13345)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_start_names_the_ranks_that_never_connected(tiny_model, monkeypatch) -> None:
+    """A head that runs no rank itself (--data-parallel-size-local 0) and no node
+    connecting: the start fails after PAGELLM_ENGINE_READY_TIMEOUT_S, naming ranks and
+    address."""
+    from pagellm.engine.core_client import EngineCoreClient
+
+    monkeypatch.setenv("PAGELLM_ENGINE_READY_TIMEOUT_S", "0.5")
+    port = _free_port()
+    config = EngineArgs(model=tiny_model("llama"), max_model_len=256, data_parallel_size=2,
+                        data_parallel_size_local=0, data_parallel_address="127.0.0.1",
+                        data_parallel_rpc_port=port).create_engine_config()
+    with pytest.raises(EngineStartupError) as e:
+        EngineCoreClient.make_async_mp_client(config)
+    assert str(e.value) == (f"Engine core(s) [0, 1] never connected to tcp://127.0.0.1:{port} within 0.5 s "
+                            "(PAGELLM_ENGINE_READY_TIMEOUT_S).")
+
+
+def test_a_stray_message_on_the_engine_socket_is_ignored_not_fatal() -> None:
+    """The head's ROUTER listens on an open TCP port: what is not a handshake is logged
+    and dropped; a real handshake after it reads as one."""
+    import zmq
+
+    from pagellm.core import serial
+    from pagellm.core.protocol import HANDSHAKE_FAILED
+    from pagellm.engine.handshake import read_handshake
+
+    ctx = zmq.Context.instance()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://stray")
+        dealer.setsockopt(zmq.IDENTITY, _identity(1, 99))
+        dealer.connect("inproc://stray")
+        for frames in ([b"junk"], [b"a", b"b", b"c"]):
+            dealer.send_multipart(frames)
+            assert router.poll(2000) and read_handshake(router) is None
+        dealer.send_multipart([HANDSHAKE_FAILED, b"OSError: no memory"])
+        assert router.poll(2000)
+        failed = read_handshake(router)
+        assert (failed.rank, failed.response, str(failed.startup_error())) == (
+            1, None, "Engine core initialization failed: OSError: no memory")
+        dealer.send(serial.encode(_ready(1)))
+        assert router.poll(2000)
+        hs = read_handshake(router)
+        assert (hs.identity, hs.rank, hs.response) == (_identity(1, 99), 1, _ready(1))
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
