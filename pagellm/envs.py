@@ -115,10 +115,12 @@ _VARS = {
     # engine_iteration_timeout_s, when given, replaces it.
     "PAGELLM_ENGINE_ITERATION_TIMEOUT_S": lambda: _float("PAGELLM_ENGINE_ITERATION_TIMEOUT_S", 60.0),
     # Seconds the head waits without a heartbeat (or any output) from an engine core on
-    # another node (--headless) before it counts the core lost: its requests fail with 503
-    # and the rank is served again once its node has started a new core. Heartbeats come
-    # every 0.25 s; a core on the head's own machine is watched through its process.
-    "PAGELLM_REMOTE_ENGINE_TIMEOUT_S": lambda: _float("PAGELLM_REMOTE_ENGINE_TIMEOUT_S", 1.0),
+    # another node (--headless) before it counts the core lost (hung, or its network gone):
+    # its requests fail with 503 and the rank is served again once its node has started a
+    # new core. Heartbeats come every 0.25 s. A core that dies closes its connection, which
+    # the head notices within 0.25 s whatever this is; a core on the head's own machine is
+    # watched through its process.
+    "PAGELLM_REMOTE_ENGINE_TIMEOUT_S": lambda: _float("PAGELLM_REMOTE_ENGINE_TIMEOUT_S", 10.0),
     # SO_SNDBUF of the server's connections (bytes; Linux doubles it): what a client that
     # stops reading can leave in the kernel before its stream blocks. 0: the kernel's
     # autotuning (up to net.ipv4.tcp_wmem's maximum, 4 MiB by default).

@@ -110,7 +110,7 @@ def fake_popen(clean_env):
 
 def test_launched_engine_cores_get_the_policy_in_their_popen_env(fake_popen) -> None:
     before = dict(os.environ)
-    core_client._launch_engines({"config": 1}, [0, 1], "ipc://in", "ipc://out")
+    core_client.launch_engines({"config": 1}, [0, 1], "ipc://in", "ipc://out")
     assert [c["env"] for c in fake_popen] == [{**before, "OMP_WAIT_POLICY": "PASSIVE"}] * 2
     assert dict(os.environ) == before
 

@@ -333,8 +333,12 @@ class EngineConfig:
         and memory budgets may differ between nodes; what changes a request's result or
         what the frontend may send may not."""
         mc, cc = self.model_config, self.cache_config
+        config_digest, weight_bytes = _model_digest(mc)
         return {
-            "model": f"{mc.architecture} {_model_digest(mc)}",
+            "pagellm": _pagellm_version(),  # the wire's messages are positional: one version
+            "model": mc.architecture,
+            "model_config": config_digest,
+            "weight_bytes": str(weight_bytes),
             "dtype": mc.dtype,
             "quantization": str(mc.quantization),
             "gguf_activations": mc.gguf_activations,
@@ -358,10 +362,11 @@ class EngineConfig:
         )
 
 
-def _model_digest(mc: ModelConfig) -> str:
-    """The model's identity without reading its weights: a hash of its architecture
-    config and the size in bytes of its weight files (a GGUF file, or a directory's
-    safetensors), so two quantizations of one model differ. Its path may differ by node."""
+def _model_digest(mc: ModelConfig) -> tuple[str, int]:
+    """The model's identity without reading its weights: a hash of its architecture config
+    (without what names where it was read from, or by which transformers) and the size in
+    bytes of its weight files (a GGUF file, or a directory's safetensors), so two
+    quantizations of one model differ. Its path may differ by node."""
     import hashlib
     import json
     import os
@@ -371,6 +376,16 @@ def _model_digest(mc: ModelConfig) -> str:
         size = sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith((".safetensors", ".bin", ".gguf")))
     else:
         size = os.path.getsize(path) if os.path.exists(path) else 0
-    text = json.dumps(mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else repr(mc.hf_config),
-                      sort_keys=True, default=repr)
-    return f"{hashlib.sha256(text.encode()).hexdigest()[:12]} {size} bytes"
+    values = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else {"repr": repr(mc.hf_config)}
+    values = {k: v for k, v in values.items() if not k.startswith("_") and k != "transformers_version"}
+    text = json.dumps(values, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:12], size
+
+
+def _pagellm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagellm")
+    except PackageNotFoundError:
+        return "unknown"

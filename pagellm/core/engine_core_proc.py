@@ -67,6 +67,7 @@ class EngineCoreProc:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, engine_identity(self.rank, _incarnation()))
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # the head may be at an IPv6 address
         sock.connect(address)
         sock.send(serial.encode(self.engine.ready_response()))
         while True:
@@ -105,11 +106,17 @@ class EngineCoreProc:
                      "refused its handshake" if refused else "declared it dead", reason)
         self.exit_status = ENGINE_REFUSED_EXIT_CODE if refused else 1
         self.shutdown_requested = True
+        # a core declared dead may be stuck (hung in a step): it exits in any case, so that
+        # its node sees the exit and starts a new one
+        timer = threading.Timer(5.0, os._exit, (self.exit_status,))
+        timer.daemon = True
+        timer.start()
 
     def _output_loop(self, address: str) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 4000)  # so the dead sentinel still gets out
+        sock.setsockopt(zmq.IPV6, 1)  # the head may be at an IPv6 address
         sock.connect(address)
         while True:
             item = self.output_queue.get()
@@ -206,6 +213,7 @@ def _send_startup_failure(input_address: str, rank: int, message: str) -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, engine_identity(rank, _incarnation()))
     sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.IPV6, 1)
     sock.connect(input_address)
     sock.send_multipart([HANDSHAKE_FAILED, message.encode()])
     sock.close()

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -84,6 +85,9 @@ class EngineCoreClient(ABC):
                 "start one process per rank, each with its own LLM(...) over a slice of the prompts "
                 "(data_parallel_size=1), or serve with `pagellm serve --data-parallel-size N`."
             )
+        if config.parallel_config.data_parallel_address is not None:
+            raise ValueError("LLM runs its engine core on this machine; engine cores on other nodes "
+                             "(data_parallel_address) are served by `pagellm serve`.")
         if multiprocess_mode:
             return SyncMPClient(config)
         return InprocClient(config)
@@ -187,16 +191,15 @@ class _BackgroundResources:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[subprocess.Popen]:
+def launch_engines(config: EngineConfig, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[subprocess.Popen]:
+    """Engine-core processes for `ranks`, each handed its config (the head's, or a
+    --headless node's, pagellm/distributed/headless.py)."""
     procs = []
     for rank in ranks:
         proc = launch_engine_process(rank, input_addr, output_addr)  # + pagellm's OpenMP defaults
         send_config(proc, config)
         procs.append(proc)
     return procs
-
-
-launch_engines = _launch_engines  # for a --headless node (pagellm/distributed/headless.py)
 
 
 def send_config(proc: subprocess.Popen, config: EngineConfig) -> None:
@@ -341,6 +344,7 @@ class MPClient(EngineCoreClient):
         self.output_socket = self.ctx.socket(zmq.PULL)
         res.sockets.append(self.output_socket)
         for sock, addr in ((self.input_socket, self.input_addr), (self.output_socket, self.output_addr)):
+            sock.setsockopt(zmq.IPV6, 1)  # an IPv6 --data-parallel-address (IPv4 still works)
             try:
                 sock.bind(addr)
             except zmq.ZMQError as e:
@@ -350,7 +354,7 @@ class MPClient(EngineCoreClient):
         if prestarted:
             send_config(prestarted.proc, self.config)
         else:
-            res.procs = dict(zip(self.local_ranks, _launch_engines(self.config, self.local_ranks,
+            res.procs = dict(zip(self.local_ranks, launch_engines(self.config, self.local_ranks,
                                                                    self.input_addr, self.output_addr)))
         self.check = HandshakeCheck(pc.data_parallel_size, self.config.fingerprint(),
                                     {rank: proc.pid for rank, proc in res.procs.items()})
@@ -519,8 +523,18 @@ def _decode_frame(frame: Any, utility: dict, watch: HangWatch) -> EngineCoreOutp
         return None
     if buf[:len(ENGINE_CORE_DEAD)] == ENGINE_CORE_DEAD:
         rank, cause = parse_engine_dead_frame(bytes(buf))  # type: ignore[misc]
+        if rank not in watch.heard_at:
+            logger.error("Ignored a dead frame for rank %d, which this server does not serve.", rank)
+            return None
         return EngineFailure(rank, cause)
-    outputs = serial.outputs_decoder.decode(buf)
+    try:
+        outputs = serial.outputs_decoder.decode(buf)
+    except msgspec.DecodeError as e:  # the output port is open to other nodes: a stray or skewed sender
+        logger.error("Ignored an output frame that could not be read (%s).", e)
+        return None
+    if outputs.engine_index not in watch.heard_at:
+        logger.error("Ignored outputs of rank %d, which this server does not serve.", outputs.engine_index)
+        return None
     watch.alive(outputs.engine_index)
     if outputs.utility_output is not None:
         _resolve_utility(utility, outputs.utility_output)
@@ -551,6 +565,9 @@ class AsyncMPClient(MPClient):
     MAX_RESTART_ATTEMPTS = 3
     """Consecutive failed starts of a rank before the whole engine is declared dead."""
 
+    STOP_RESEND_S = 60.0
+    """How long a lost core of another node is told again to stop."""
+
     def __init__(self, config: EngineConfig, ranks: Sequence[int] = (0,)):
         self.outputs_queue: asyncio.Queue | None = None
         self.utility_results: dict[int, asyncio.Future] = {}
@@ -568,6 +585,9 @@ class AsyncMPClient(MPClient):
         self._early_failures: list[tuple[int, subprocess.Popen, str]] = []  # before the loop is known
         self._handshake_waiters: dict[int, asyncio.Future] = {}  # local restarting rank -> its READY
         self._handshake_task: asyncio.Task | None = None
+        # remote rank -> (identity, cause, until): a lost core told to stop, again every
+        # watch tick for a while (a STOP sent into a dropped connection is lost with it)
+        self._to_stop: dict[int, tuple[bytes, str, float]] = {}
         super().__init__(config, ranks, asyncio_mode=True)
 
     def _ensure_output_task(self) -> None:
@@ -615,10 +635,18 @@ class AsyncMPClient(MPClient):
         res = self.resources
         while not (res.engine_dead or res.shutdown_event.is_set()):
             await asyncio.sleep(0.25)
+            self._stop_lost_cores()
+            for rank in self.ranks:
+                # a core of another node that died closed its connection: no need to wait
+                # out the heartbeat's silence limit (kept for hangs and lost networks)
+                if rank not in self.local_ranks and rank not in self.restarting and not self._connected(rank):
+                    logger.error("Engine core %d (another node) is lost: its connection closed.", rank)
+                    self._rank_died(rank, None, "lost: its connection closed")
             for rank, cause in self.watch.hung([r for r in self.ranks if r not in self.restarting]):
                 if rank not in self.local_ranks:
                     logger.error("Engine core %d (another node) is %s.", rank, cause)
-                    send_stop(self.input_socket, self.identities[rank], cause, refused=False)
+                    self._to_stop[rank] = (self.identities[rank], cause, time.monotonic() + self.STOP_RESEND_S)
+                    self._stop_lost_cores()
                     self._rank_died(rank, None, cause)
                     continue
                 proc = _kill_hung(res, rank, cause)
@@ -628,6 +656,21 @@ class AsyncMPClient(MPClient):
                 res.engine_dead = True
                 self._on_engine_dead()
                 return
+
+    def _stop_lost_cores(self) -> None:
+        """Tells each lost core of another node to stop (it may be alive behind a network
+        that came back, heartbeating for a rank it no longer serves); again while its
+        connection is up, for STOP_RESEND_S, since ZMQ drops what was queued for a
+        connection that broke. Its node then starts a new core, which handshakes."""
+        now = time.monotonic()
+        for rank, (identity, cause, until) in list(self._to_stop.items()):
+            try:
+                self.input_socket.send_multipart([identity, EngineCoreRequestType.STOP.value,
+                                                  serial.encode((cause, False))])
+            except zmq.ZMQError:  # not connected (gone, or not back yet)
+                pass
+            if now > until:
+                del self._to_stop[rank]
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         for req_id in outputs.finished_requests or ():
@@ -694,7 +737,7 @@ class AsyncMPClient(MPClient):
         for attempt in range(1, self.MAX_RESTART_ATTEMPTS + 1):
             if res.shutdown_event.is_set():
                 return
-            (proc,) = _launch_engines(self.config, [rank], self.input_addr, self.output_addr)
+            (proc,) = launch_engines(self.config, [rank], self.input_addr, self.output_addr)
             res.procs[rank] = proc
             self.check.local_pids[rank] = proc.pid
             try:
@@ -753,7 +796,7 @@ class AsyncMPClient(MPClient):
         if waiter is not None and waiter.done():
             waiter = None
         if hs.response is None:
-            if waiter is not None:
+            if waiter is not None and pid_of_identity(hs.identity) == self.check.local_pids.get(rank):
                 waiter.set_exception(hs.startup_error())
             else:
                 logger.error("Engine core %d (another node) failed to start: %s", rank, hs.failure)
@@ -761,8 +804,8 @@ class AsyncMPClient(MPClient):
         taken = rank in self.identities and rank not in self.restarting
         if taken and rank not in self.local_ranks and not self._connected(rank):
             # a new core of another node whose predecessor's connection has closed (it
-            # died) before the heartbeat watch said so: the rank changes hands
-            self._rank_died(rank, None, "its connection closed")
+            # died) before the watch said so: the rank changes hands
+            self._rank_died(rank, None, "lost: its connection closed")
             taken = False
         reason = self.check.refusal(hs.identity, hs.response, taken=taken)
         if reason is not None:
@@ -772,6 +815,7 @@ class AsyncMPClient(MPClient):
                 waiter.set_exception(EngineStartupError(f"Engine core {rank} was refused: {reason}"))
             return
         self.identities[rank] = hs.identity
+        self._to_stop.pop(rank, None)
         if waiter is not None:
             waiter.set_result(hs.response)
         elif rank not in self.local_ranks:

@@ -6,14 +6,16 @@ that waits for ranks that never come names them."""
 from __future__ import annotations
 
 import dataclasses
-import socket
+import shutil
 
 import pytest
 
+import pagellm
 from pagellm.core.protocol import EngineCoreReadyResponse, engine_identity
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.exceptions import EngineStartupError
 from pagellm.engine.handshake import HandshakeCheck, engine_addresses, fingerprint_diff
+from tests.entrypoints.openai.test_multi_node import _free_port_pair
 
 HEAD = {"model": "LlamaForCausalLM abc 100 bytes", "max_model_len": "1024", "dtype": "float32"}
 
@@ -47,13 +49,15 @@ def test_fingerprint_names_a_field_only_one_side_has() -> None:
     assert fingerprint_diff({"a": "1"}, {"a": "1", "b": "2"}, rank=4) == ["b (head: None, rank 4: 2)"]
 
 
-def test_the_fingerprint_covers_what_must_agree_and_not_the_layout(tiny_model) -> None:
+def test_the_fingerprint_covers_what_must_agree_and_not_the_layout(tiny_model, tmp_path) -> None:
     model = tiny_model("llama")
+    copy = shutil.copytree(model, tmp_path / "elsewhere")  # another node keeps it at another path
     head = EngineArgs(model=model, max_model_len=256, data_parallel_size=2, data_parallel_size_local=1,
                       data_parallel_address="127.0.0.1").create_engine_config()
-    node = EngineArgs(model=model, max_model_len=256, data_parallel_size=2, data_parallel_start_rank=1,
+    node = EngineArgs(model=str(copy), max_model_len=256, data_parallel_size=2, data_parallel_start_rank=1,
                       data_parallel_address="127.0.0.1", max_num_seqs=8).create_engine_config()
-    assert head.fingerprint() == node.fingerprint()  # scheduling limits and rank layout may differ
+    assert head.fingerprint() == node.fingerprint()  # path, scheduling limits and rank layout may differ
+    assert head.fingerprint()["pagellm"] == pagellm.__version__
     other = dataclasses.replace(node, cache_config=dataclasses.replace(node.cache_config, block_size=32))
     assert fingerprint_diff(head.fingerprint(), other.fingerprint(), 1) == ["block_size (head: 16, rank 1: 32)"]
     assert head.parallel_config.local_ranks == range(0, 1) and node.parallel_config.local_ranks == range(1, 2)
@@ -89,10 +93,6 @@ def test_the_cli_has_vllms_multi_node_flags() -> None:
             args.data_parallel_address, args.data_parallel_rpc_port) == (True, 4, 2, 2, "10.0.0.1", 13345)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_start_names_the_ranks_that_never_connected(tiny_model, monkeypatch) -> None:
@@ -102,7 +102,7 @@ def test_a_start_names_the_ranks_that_never_connected(tiny_model, monkeypatch) -
     from pagellm.engine.core_client import EngineCoreClient
 
     monkeypatch.setenv("PAGELLM_ENGINE_READY_TIMEOUT_S", "0.5")
-    port = _free_port()
+    port = _free_port_pair()
     config = EngineArgs(model=tiny_model("llama"), max_model_len=256, data_parallel_size=2,
                         data_parallel_size_local=0, data_parallel_address="127.0.0.1",
                         data_parallel_rpc_port=port).create_engine_config()
@@ -142,3 +142,28 @@ def test_a_stray_message_on_the_engine_socket_is_ignored_not_fatal() -> None:
     finally:
         dealer.close(linger=0)
         router.close(linger=0)
+
+
+def test_stray_output_frames_are_dropped_not_fatal() -> None:
+    """The head's output port is open to other nodes: a frame that is no message, or one
+    from a rank this server does not serve, is logged and dropped; the loop goes on."""
+    import zmq
+
+    from pagellm.core import serial
+    from pagellm.core.protocol import EngineCoreOutputs, engine_dead_frame
+    from pagellm.engine.core_client import HangWatch, _decode_frame
+
+    watch = HangWatch(0.0, [0, 1])
+    assert _decode_frame(zmq.Frame(b"\xc1 not msgpack"), {}, watch) is None
+    assert _decode_frame(zmq.Frame(serial.encode(EngineCoreOutputs(engine_index=7))), {}, watch) is None
+    assert _decode_frame(zmq.Frame(engine_dead_frame(7, "gone")), {}, watch) is None
+    served = _decode_frame(zmq.Frame(serial.encode(EngineCoreOutputs(engine_index=1))), {}, watch)
+    assert isinstance(served, EngineCoreOutputs) and served.engine_index == 1
+
+
+def test_llm_refuses_engine_cores_on_other_nodes(tiny_model) -> None:
+    from pagellm import LLM
+
+    with pytest.raises(ValueError, match=r"LLM runs its engine core on this machine; engine cores on other "
+                                         r"nodes \(data_parallel_address\) are served by `pagellm serve`."):
+        LLM(tiny_model("llama"), max_model_len=256, data_parallel_address="127.0.0.1")
