@@ -19,7 +19,7 @@ LAYERS = [
     {"model_executor", "attention", "sample", "spec_decode"},
     {"worker"},
     {"core"},
-    {"engine", "metrics"},
+    {"engine", "metrics", "distributed"},
     {"entrypoints"},
     {"benchmarks", "__main__", "__init__"},
 ]
