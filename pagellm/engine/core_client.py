@@ -47,6 +47,7 @@ from pagellm.engine.exceptions import EngineDeadError, EngineRestartingError, En
 from pagellm.engine.handshake import (
     Handshake,
     HandshakeCheck,
+    connected,
     engine_addresses,
     exited_early,
     pid_of_identity,
@@ -824,14 +825,8 @@ class AsyncMPClient(MPClient):
             logger.info("Engine core %d (another node) joined again; serving it.", rank)
 
     def _connected(self, rank: int) -> bool:
-        """Whether the serving core of `rank` is still connected (an empty abort, which
-        the ROUTER refuses to route to a closed connection)."""
-        try:
-            self.input_socket.send_multipart([self.identities[rank], EngineCoreRequestType.ABORT.value,
-                                              serial.encode([])])
-        except zmq.ZMQError:
-            return False
-        return True
+        """Whether the serving core of `rank` is still connected."""
+        return connected(self.input_socket, self.identities[rank])
 
     def _unreachable(self, rank: int) -> EngineDeadError:
         if self._recovers(rank):

@@ -93,6 +93,16 @@ def send_stop(sock: zmq.Socket, identity: bytes, reason: str, refused: bool) -> 
         pass
 
 
+def connected(sock: zmq.Socket, identity: bytes) -> bool:
+    """Whether the core with `identity` is still connected to the ROUTER (ROUTER_MANDATORY):
+    an empty abort, which the ROUTER refuses to route to a closed connection."""
+    try:
+        sock.send_multipart([identity, EngineCoreRequestType.ABORT.value, serial.encode([])])
+    except zmq.ZMQError:
+        return False
+    return True
+
+
 def exited_early(rank: int, returncode: int | None) -> EngineStartupError:
     return EngineStartupError(
         f"Engine core initialization failed: process (rank {rank}) exited with code "
@@ -163,12 +173,14 @@ def _take_handshake(sock: zmq.Socket, check: HandshakeCheck, procs: Mapping[int,
         return
     rank = hs.rank
     if hs.response is None:
-        if rank in procs:
+        if rank in procs and pid_of_identity(hs.identity) == check.local_pids.get(rank):
             raise hs.startup_error()
         problems[rank] = f"failed to start: {hs.failure}"
         logger.error("Engine core %d (another node) %s", rank, problems[rank])
         return
-    reason = check.refusal(hs.identity, hs.response, taken=rank in accepted)
+    # a rank accepted earlier whose core has gone since (its node started another) is free
+    taken = rank in accepted and connected(sock, accepted[rank][0])
+    reason = check.refusal(hs.identity, hs.response, taken=taken)
     if reason is None:
         accepted[rank] = (hs.identity, hs.response)
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 
@@ -167,3 +168,53 @@ def test_llm_refuses_engine_cores_on_other_nodes(tiny_model) -> None:
     with pytest.raises(ValueError, match=r"LLM runs its engine core on this machine; engine cores on other "
                                          r"nodes \(data_parallel_address\) are served by `pagellm serve`."):
         LLM(tiny_model("llama"), max_model_len=256, data_parallel_address="127.0.0.1")
+
+
+def test_during_the_start_a_rank_whose_core_has_gone_is_free_again() -> None:
+    """Rank 1 accepted, then its core gone (its node started another): the new core's
+    READY is accepted in its place; while the first is still connected, a second core for
+    the rank is refused as taken and told to stop."""
+    import zmq
+
+    from pagellm.core import serial
+    from pagellm.engine.handshake import _take_handshake
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    check = HandshakeCheck(num_ranks=2, fingerprint=HEAD, local_pids={0: 4242})
+    accepted: dict = {}
+    dealers = []
+
+    def handshake(pid: int) -> zmq.Socket:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, _identity(1, pid))
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(serial.encode(_ready(1)))
+        assert router.poll(2000)
+        _take_handshake(router, check, {}, accepted, {})
+        dealers.append(dealer)
+        return dealer
+
+    try:
+        first = handshake(11)
+        assert accepted[1][0] == _identity(1, 11)
+        second = handshake(12)  # the first still connected: taken
+        assert accepted[1][0] == _identity(1, 11)
+        assert second.poll(2000) and second.recv_multipart()[0] == b"\x04"  # STOP
+        first.close(linger=0)
+        deadline = time.monotonic() + 5
+        while True:  # until the ROUTER has seen the connection close
+            try:
+                router.send_multipart([_identity(1, 11), b"\x01", serial.encode([])])
+            except zmq.ZMQError:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handshake(13)
+        assert accepted[1][0] == _identity(1, 13)
+    finally:
+        for dealer in dealers:
+            dealer.close(linger=0)
+        router.close(linger=0)
