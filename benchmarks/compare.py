@@ -657,6 +657,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free as well (a data-parallel head binds both: requests and outputs)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 LLAMACPP_BATCH = ("-b", "2048", "-ub", "512")
 """llama.cpp's logical and physical batch sizes, as its batched-bench README runs them
 (`-c 2048 -b 2048 -ub 512`); they are also the tools' defaults, set here so each row

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import RESULTS_DIR, describe_machine, free_port, system_env  # noqa: E402
+from compare import RESULTS_DIR, describe_machine, free_port, free_port_pair, system_env  # noqa: E402
 
 DP = 2
 TARGET = 0.95
@@ -58,23 +57,6 @@ class Run:
     exit_codes: dict[str, int | None] = field(default_factory=dict)  # process -> status after SIGTERM
     log_problems: list[str] = field(default_factory=list)  # ERROR / Traceback lines of the logs
     commands: list[list[str]] = field(default_factory=list)
-
-
-def free_port_pair() -> int:
-    """A port P with P + 1 free as well (the head binds both: requests and outputs)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def commands(args: argparse.Namespace, setup: str, http_port: int) -> dict[str, list[str]]:

@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 from pagellm.config import EngineConfig
-from pagellm.core import ENGINE_STOP_SIGNAL
 from pagellm.core.protocol import ENGINE_REFUSED_EXIT_CODE
 from pagellm.engine.core_client import describe_exit, launch_engines
 from pagellm.engine.handshake import engine_addresses
+from pagellm.engine.prestart import stop_engine_processes
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -106,17 +106,7 @@ class HeadlessNode:
         return None
 
     def _stop_all(self) -> None:
-        """ENGINE_STOP_SIGNAL to every live core, then up to 5 s for them all, then SIGKILL."""
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for proc in live:
-            proc.send_signal(ENGINE_STOP_SIGNAL)
-        deadline = time.monotonic() + 5
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_engine_processes(self.procs.values())
 
 
 def run_headless(config: EngineConfig) -> int:

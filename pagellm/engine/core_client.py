@@ -32,7 +32,7 @@ import zmq.asyncio
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.core import ENGINE_STOP_SIGNAL, serial
+from pagellm.core import serial
 from pagellm.core.protocol import (
     ENGINE_CORE_BEAT,
     ENGINE_CORE_DEAD,
@@ -55,7 +55,7 @@ from pagellm.engine.handshake import (
     send_stop,
     wait_for_ready,
 )
-from pagellm.engine.prestart import claim_prestarted, launch_engine_process
+from pagellm.engine.prestart import claim_prestarted, launch_engine_process, stop_engine_processes
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -173,17 +173,7 @@ class _BackgroundResources:
 
     def __call__(self) -> None:
         self.shutdown_event.set()
-        procs = list(self.procs.values())
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(ENGINE_STOP_SIGNAL)
-        deadline = time.monotonic() + 5
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_engine_processes(list(self.procs.values()))
         for sock in self.sockets:
             sock.close(linger=0)
         if self.tmpdir:

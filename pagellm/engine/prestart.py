@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagellm import envs
@@ -48,14 +50,22 @@ def launch_engine_process(rank: int, input_addr: str, output_addr: str) -> subpr
 def stop_engine_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """Asks an engine-core process to stop (ENGINE_STOP_SIGNAL) and waits; SIGKILL after
     `timeout` seconds."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(ENGINE_STOP_SIGNAL)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_engine_processes([proc], timeout)
+
+
+def stop_engine_processes(procs: Iterable[subprocess.Popen], timeout: float = 5.0) -> None:
+    """ENGINE_STOP_SIGNAL to every live one of `procs`, then up to `timeout` seconds for
+    them all together; SIGKILL to any still running."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        proc.send_signal(ENGINE_STOP_SIGNAL)
+    deadline = time.monotonic() + timeout
+    for proc in live:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def engine_command(rank: int, input_addr: str, output_addr: str) -> list[str]:

@@ -16,7 +16,9 @@ from pagellm.core.protocol import EngineCoreReadyResponse, engine_identity
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.exceptions import EngineStartupError
 from pagellm.engine.handshake import HandshakeCheck, engine_addresses, fingerprint_diff
-from tests.entrypoints.openai.test_multi_node import _free_port_pair
+from tests.utils import import_benchmark
+
+_free_port_pair = import_benchmark("compare").free_port_pair
 
 HEAD = {"model": "LlamaForCausalLM abc 100 bytes", "max_model_len": "1024", "dtype": "float32"}
 

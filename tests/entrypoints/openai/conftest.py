@@ -22,9 +22,10 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *extra: str, new_session: bool = False, stderr: Any = None):
+    def __init__(self, *extra: str, new_session: bool = False, stderr: Any = None, wait: bool = True):
         """`new_session`: the server leads a process group of its own (a test signals the
-        group); `stderr`: where its log goes (default: the test's)."""
+        group); `stderr`: where its log goes (default: the test's); `wait`: until it
+        serves (else the test calls wait_serving)."""
         self.api_key = API_KEY
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -32,7 +33,13 @@ class ServerProcess:
                "--max-model-len", "1024", *extra]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                                      start_new_session=new_session, stderr=stderr)
-        deadline = time.monotonic() + 240
+        if wait:
+            self.wait_serving(240)
+
+    def wait_serving(self, within: float) -> None:
+        """Until /health answers 200; the server stopped and RuntimeError if it exits first
+        or does not answer `within` seconds."""
+        deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}")
@@ -41,7 +48,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not start")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,25 +20,11 @@ import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess
 from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _wait_healthy
+from tests.utils import import_benchmark
+
+_free_port_pair = import_benchmark("compare").free_port_pair
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time"]
-
-
-def _free_port_pair() -> int:
-    """A port P with P + 1 free as well (the head binds both: requests and outputs)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _headless(model: str, rpc_port: int, *extra: str, stderr=None) -> subprocess.Popen:
@@ -49,10 +34,10 @@ def _headless(model: str, rpc_port: int, *extra: str, stderr=None) -> subprocess
     return subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stderr=stderr, text=stderr is not None)
 
 
-def _head(model: str, rpc_port: int, *extra: str) -> ServerProcess:
+def _head(model: str, rpc_port: int, *extra: str, wait: bool = True) -> ServerProcess:
     return ServerProcess("--model", model, "-dp", "2", "--data-parallel-size-local", "1",
                          "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
-                         "--max-model-len", "2048", *extra)
+                         "--max-model-len", "2048", *extra, wait=wait)
 
 
 def _core_pids(pid: int) -> dict[int, int]:
@@ -162,45 +147,30 @@ def test_head_and_headless_node_serve_both_ranks_and_a_killed_remote_core_comes_
 def test_a_headless_node_whose_config_differs_is_refused_naming_the_field(tiny_model) -> None:
     """The refused node exits 1 with the differing field named; the head waits on, and a
     node started with the head's flags is then accepted and served."""
-    from tests.entrypoints.openai.conftest import API_KEY, _free_port
-
     model = tiny_model("llama", max_position_embeddings=2048)
-    port, http_port = _free_port_pair(), _free_port()
+    port = _free_port_pair()
     bad = _headless(model, port, "--max-model-len", "512", stderr=subprocess.PIPE)
     good = None
-    # the head waits for rank 1 before it answers /health: started here, not by ServerProcess
-    head = subprocess.Popen([sys.executable, "-m", "pagellm", "serve", "--model", model, "--port", str(http_port),
-                             "--api-key", API_KEY, "-dp", "2", "--data-parallel-size-local", "1",
-                             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port),
-                             "--max-model-len", "2048"], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    head = _head(model, port, wait=False)  # it answers /health once rank 1 is served
     try:
         _, log = bad.communicate(timeout=120)  # read as it runs: its cores log into the same pipe
         assert bad.returncode == 1
         assert ("the frontend refused its handshake: its config differs from the head's: "
                 "max_model_len (head: 2048, rank 1: 512).") in log
         assert "The head refused engine core 1 (the reason is in its log above); this node stops." in log
-        assert head.poll() is None  # still waiting for a rank 1 it can serve
+        assert head.proc.poll() is None  # still waiting for a rank 1 it can serve
 
         good = _headless(model, port)
-        url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert head.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+        head.wait_serving(120)
+        r = httpx.post(head.url + "/v1/completions", headers=_auth(head), timeout=60,
                        json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     finally:
-        _stop(head)
+        _stop(head.proc)
         for node in (bad, good):
             if node is not None:
                 _stop(node)
-    assert head.returncode == 0 and good.returncode == 0
+    assert head.proc.returncode == 0 and good.returncode == 0
 
 
 def test_a_start_rank_without_headless_is_a_clear_error() -> None:
