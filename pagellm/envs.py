@@ -143,6 +143,10 @@ _VARS = {
     # activations, AVX-512 VNNI): Q4_K four rows at a time, Q4_0 / Q4_1 / Q8_0 sixteen;
     # off keeps the file's layout (A/B runs).
     "PAGELLM_GGUF_REPACK": lambda: _bool("PAGELLM_GGUF_REPACK", True),
+    # Products of 32 rows or more that take the int8 GEMM (long prompt chunks, steps of
+    # many decodes) run on AMX tiles in bfloat16 where the CPU has AMX-BF16; off keeps
+    # the int8 GEMM (A/B runs).
+    "PAGELLM_AMX": lambda: _bool("PAGELLM_AMX", True),
     # Cache a GGUF file's parsed config and dequantized weights under PAGELLM_CACHE_DIR.
     "PAGELLM_GGUF_CACHE": lambda: _bool("PAGELLM_GGUF_CACHE", True),
     # Torch intra-op threads in the engine core (0 = torch's default).

@@ -9,6 +9,8 @@ the system's C compiler at first use and cached under
   for decode-sized steps where the CPU has AVX2: AVX-512 VNNI kernels chosen at run time)
 - `ggml_i8gemm.c`: many input rows (a prompt's) x the same weights in int8: weight rows
   unpacked 16 at a time into a row-interleaved int8 tile, AVX-512 VNNI where present
+- `amx_gemm.c`: the same products on AMX tiles in bfloat16 where the CPU has AMX-BF16:
+  weight rows dequantized 32 at a time into bfloat16 tiles, summed in float32
 - `dense_f32.c`: float32 weights read in place from torch's oneDNN-packed copy, for a
   few input rows (layers/linear.py)
 - `paged_attention.c`: one-token decode attention over the paged KV cache, and the
@@ -166,6 +168,13 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_i8gemm_fast.restype = ctypes.c_int
     lib.pg_gemm_i8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
     lib.pg_gemm_i8.restype = ctypes.c_int
+    lib.pg_amx_ready.restype = ctypes.c_int
+    lib.pg_amx_supported.argtypes = [ctypes.c_int, i64]
+    lib.pg_amx_supported.restype = ctypes.c_int
+    lib.pg_gemm_amx.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64]
+    lib.pg_gemm_amx.restype = ctypes.c_int
+    lib.pg_amx_weights_bf16.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
+    lib.pg_amx_weights_bf16.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, i64,
                                     i64, ptr, i64, ptr, ptr, i64, ctypes.c_float, ctypes.c_float,
                                     ptr]
@@ -208,6 +217,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_f32_blocked_tiles.restype = ctypes.c_int
     # ctypes keeps each function it looked up in the library object's dict: those are
     # exactly the ones declared above (a return type only counts too)
+    ctypes.c_int.in_dll(lib, "pg_amx_on").value = int(envs.PAGELLM_AMX)
     declared = {name: (fn.argtypes or [], fn.restype) for name, fn in vars(lib).items()
                 if name.startswith("pg_")}
     check_bindings(declared, c_signatures(source.decode(errors="replace")))

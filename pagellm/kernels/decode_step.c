@@ -78,6 +78,21 @@ int64_t pg_gemm_i8_tile_bytes(int type, int64_t K);
 void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                      int64_t ldy, uint8_t *tile, const pg_team *team);
+int pg_amx_ready(void);
+int pg_amx_supported(int type, int64_t K);
+int64_t pg_gemm_amx_scratch(int type, int64_t K);
+int64_t pg_amx_rows_bytes(int64_t M, int64_t K);
+void pg_bf16_rows_part(const float *X, int64_t ldx, int64_t M, int64_t K, uint16_t *A,
+                       const pg_team *team);
+void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                      const uint16_t *A, int64_t M, float *Y, int64_t ldy, uint8_t *scratch,
+                      const pg_team *team);
+
+/* Rows of a product from which the int8 GEMM's products run on AMX tiles in bfloat16
+ * where the CPU has AMX-BF16 (amx_gemm.c): below, dequantizing the weights costs more
+ * than the tiles save (the 1B shapes: 32 rows 0.7x the int8 GEMM's time, 64 rows 0.5x,
+ * 512 rows 0.3-0.4x). The module path uses the same bound (quantization/gguf.py). */
+#define PG_AMX_MIN_ROWS 32
 void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
                            const float *wq, const float *wk, float eps, const pg_team *team);
 void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
@@ -221,9 +236,10 @@ static int linear_supported(const pg_linear *L) {
 }
 
 /* Each thread's buffers: weight rows (`wrow`), attention scores, an int8 weight tile
- * (`tile`, for pg_gemm_i8); and the team's packed rows of x (`xp`, for pg_gemm_batched),
- * x's q8 rows rounded to int8 (`qx`, `dx`, `sx`, for pg_gemm_q8) and all its rows rounded
- * once (`bqx`, `bdx`, `bsx`, for pg_gemm_i8). */
+ * (`tile`, for pg_gemm_i8) or bfloat16 weight panels (`amx`, for pg_gemm_amx_part); and the
+ * team's packed rows of x (`xp`, for pg_gemm_batched), x's q8 rows rounded to int8 (`qx`,
+ * `dx`, `sx`, for pg_gemm_q8) and all its rows rounded once (`bqx`, `bdx`, `bsx`, for
+ * pg_gemm_i8; or `bx`, bfloat16, for the AMX products). */
 typedef struct {
     float *wrow, *scores, *xp;
     int8_t *qx;
@@ -233,6 +249,8 @@ typedef struct {
     int8_t *bqx;
     float *bdx;
     int32_t *bsx;
+    uint8_t *amx;
+    uint16_t *bx;
 } scratch;
 
 /* Whether linear L's products of T rows take the int8 GEMM (for the groups it unpacks). */
@@ -288,12 +306,15 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
      * float32 first, then the decode rows' columns of q8 groups again, in int8) */
     const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
     const int i8 = !every && takes_i8(L, T, s);
+    const int amx = i8 && T >= PG_AMX_MIN_ROWS && pg_amx_ready(); /* every i8 group then */
     if (q8 || i8) { /* the q8 rows rounded once for every group; every row for the int8 GEMM */
         pg_claim_reset(team); /* idle: the team met after the last claims */
         if (q8)
             pg_quantize_q8_part(x, L->n_in, s->q8_rows, s->n_q8, L->n_in, s->int8_levels, sc->qx,
                                 sc->dx, sc->sx, team);
-        if (i8)
+        if (amx)
+            pg_bf16_rows_part(x, L->n_in, T, L->n_in, sc->bx, team);
+        else if (i8)
             pg_quantize_q8_part(x, L->n_in, NULL, T, L->n_in, 1, sc->bqx, sc->bdx, sc->bsx, team);
         pg_team_sync(team);
     }
@@ -307,6 +328,9 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
         else if (T <= direct_rows)
             pg_gemm_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, x, L->n_in, T,
                          y + w->row_start, L->n_out, sc->wrow, team);
+        else if (amx && pg_i8gemm_supported((int)w->type))
+            pg_gemm_amx_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->bx, T,
+                             y + w->row_start, L->n_out, sc->amx, team);
         else if (i8 && pg_i8gemm_supported((int)w->type))
             pg_gemm_i8_part((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->bqx,
                             sc->bdx, sc->bsx, T, y + w->row_start, L->n_out, sc->tile, team);
@@ -488,28 +512,32 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
             }
         }
     }
-    /* per thread: weight rows, then attention scores, then an int8 tile (each a multiple
+    /* per thread: weight rows, then attention scores, then an int8 tile or AMX panels (each a multiple
      * of 16 floats) */
     int64_t wrow = pg_gemm_scratch(k_max), batched = pg_gemm_batched_wbuf(k_max);
     wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
     int64_t tile_floats = 0;
+    const int amx = s->i8_batched && s->T >= PG_AMX_MIN_ROWS && pg_amx_ready();
+#define TILE_FOR(type_, k_)                                                                        \
+    do {                                                                                           \
+        int64_t f = pg_gemm_i8_tile_bytes((type_), (k_));                                          \
+        if (amx && f > 0 && pg_amx_supported((type_), (k_))) f = pg_gemm_amx_scratch((type_), (k_)); \
+        if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;                                  \
+    } while (0)
     if (s->i8_batched && s->T > s->direct_rows)
         for (int64_t l = 0; l < n_layers; l++) {
             const pg_layer *L = &layers[l];
             const pg_linear *lin[5] = {&L->qkv, &L->o, &L->gate_up, &L->down, &L->router};
             for (int i = 0; i < 5; i++)
-                for (int64_t g = 0; g < lin[i]->n_groups; g++) {
-                    const int64_t f = pg_gemm_i8_tile_bytes((int)lin[i]->groups[g].type, lin[i]->n_in);
-                    if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;
-                }
+                for (int64_t g = 0; g < lin[i]->n_groups; g++)
+                    TILE_FOR((int)lin[i]->groups[g].type, lin[i]->n_in);
             if (L->moe_experts > 0) { /* the experts' shapes */
                 const pg_weight_group *e[3] = {&L->moe_gate, &L->moe_up, &L->moe_down};
-                for (int i = 0; i < 3; i++) {
-                    const int64_t f = pg_gemm_i8_tile_bytes((int)e[i]->type, i < 2 ? s->hidden : L->moe_inter);
-                    if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;
-                }
+                for (int i = 0; i < 3; i++)
+                    TILE_FOR((int)e[i]->type, i < 2 ? s->hidden : L->moe_inter);
             }
         }
+#undef TILE_FOR
     tile_floats = (tile_floats + 15) / 16 * 16;
     int64_t max_slots = 0;
     for (int64_t l = 0; l < n_layers; l++) {
@@ -524,7 +552,11 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     const int64_t q8_values = s->n_q8 > 0 ? (s->n_q8 * s->int8_levels * k_max + 63) / 64 * 64 : 0;
     const int64_t q8_floats = (q8_values / 4 + 3 * (q8_values / 32) + 15) / 16 * 16;
     const int64_t i8_values = tile_floats > 0 ? (s->T * k_max + 63) / 64 * 64 : 0;
-    const int64_t i8_floats = (i8_values / 4 + 3 * (i8_values / 32) + 15) / 16 * 16;
+    int64_t i8_floats = (i8_values / 4 + 3 * (i8_values / 32) + 15) / 16 * 16;
+    if (amx && tile_floats > 0) { /* or the rows in bfloat16 */
+        const int64_t bx_floats = (pg_amx_rows_bytes(s->T, k_max) / 4 + 15) / 16 * 16;
+        if (bx_floats > i8_floats) i8_floats = bx_floats;
+    }
     const int64_t per_thread = wrow + scores + tile_floats;
     float *buf = (float *)aligned_alloc(
         64, (size_t)(threads * per_thread + xp + q8_floats + i8_floats) * sizeof(float));
@@ -543,7 +575,8 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
         float *mine = buf + team.ith * per_thread;
         const scratch sc = {mine, mine + wrow, team_x, qx, dx, sx,
-                            (uint8_t *)(mine + wrow + scores), bqx, bdx, bsx};
+                            (uint8_t *)(mine + wrow + scores), bqx, bdx, bsx,
+                            (uint8_t *)(mine + wrow + scores), (uint16_t *)bqx};
         decode_layers(layers, n_layers, s, x, res, &sc, &team);
     }
     free(buf);

@@ -528,6 +528,24 @@ void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     }
 }
 
+/* Rows [r0, r0 + 16) of W into a tile of G groups (the layout above), with the vector
+ * unpacker where it runs: for the AMX kernels (amx_gemm.c), which start from the same
+ * tiles. Returns the type's kind (AFFINE 0, SIGNED32 1, SIGNED16 2) and its zero point in
+ * *off, or -1 for a type with no unpacker. */
+int pg_i8_unpack_tile(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t r0,
+                      int64_t G, uint8_t *tile, int *off) {
+    const int kind = type_kind(type, off);
+    if (kind < 0) return -1;
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+    if (pg_i8gemm_fast()) {
+        unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
+        return kind;
+    }
+#endif
+    unpack_tile(type, kind, W, row_bytes, N, r0, G, tile);
+    return kind;
+}
+
 int64_t pg_gemm_i8_tile_bytes(int type, int64_t K) {
     int off;
     const int kind = type_kind(type, &off);

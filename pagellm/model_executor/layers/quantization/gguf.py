@@ -63,6 +63,13 @@ path): a step's decode rows, or a logits head's rows. Past it a decode-only step
 int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched
 float kernels are faster than the decode kernels (benchmarks/kernel_shapes.py)."""
 
+AMX_MIN_ROWS = 32
+"""Rows of a product from which the int8 GEMM's products run on AMX tiles in bfloat16,
+where the CPU has AMX-BF16 (kernels/amx_gemm.c, PG_AMX_MIN_ROWS in decode_step.c): x and
+the dequantized weights rounded to bfloat16 (relative error <= 2^-9 each, less than one
+int8 level of x), summed in float32. Below it, dequantizing the weights costs more than
+the tiles save."""
+
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
 
@@ -485,9 +492,20 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
 def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
                          n_out: int) -> tuple[torch.Tensor, list[WeightGroup]]:
     """x @ W.T with x rounded to int8 (one level) for the groups the int8 GEMM takes, into
-    their columns of a new result; returns it and the groups left for float32."""
+    their columns of a new result; returns it and the groups left for float32. From
+    AMX_MIN_ROWS rows, where the CPU has AMX-BF16, the same groups take the AMX kernel
+    instead (x and the weights in bfloat16, amx_gemm.c)."""
     m, k = x.shape
     y = torch.empty(m, n_out, dtype=torch.float32)
+    if m >= AMX_MIN_ROWS and lib.pg_amx_ready():
+        rest = []
+        for g in groups:
+            if not lib.pg_i8gemm_supported(g.qtype):
+                rest.append(g)
+            elif lib.pg_gemm_amx(g.qtype, g.ptr, g.row_bytes, g.rows, k, x.data_ptr(), k, m,
+                                 y.data_ptr() + 4 * g.row_start, n_out):
+                raise RuntimeError(f"GGUF AMX kernel failed for type {g.qtype}")
+        return y, rest
     qx, dx, sx = _quantize_q8(lib, x)
     rest = []
     for g in groups:
