@@ -11,6 +11,7 @@ EngineFailure among the outputs, and a new process takes the rank over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import pickle
 import queue
@@ -89,6 +90,9 @@ class EngineCoreClient(ABC):
         if config.parallel_config.data_parallel_address is not None:
             raise ValueError("LLM runs its engine core on this machine; engine cores on other nodes "
                              "(data_parallel_address) are served by `pagellm serve`.")
+        if config.parallel_config.data_parallel_backend == "ray":
+            raise ValueError("LLM runs its engine core in a process of its own; engine cores as Ray actors "
+                             "(data_parallel_backend='ray') are served by `pagellm serve` (or AsyncLLM).")
         if multiprocess_mode:
             return SyncMPClient(config)
         return InprocClient(config)
@@ -165,7 +169,10 @@ class _BackgroundResources:
     ctx: zmq.Context | None = None
     sockets: list = field(default_factory=list)
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> its live process
+    """(or, with data_parallel_backend='ray', its actor: a RayEngineProcess, Popen's methods)"""
     tmpdir: str | None = None
+    ray: Any = None
+    """The CoreEngineActorManager with data_parallel_backend='ray' (closed after the actors stop)."""
     engine_dead: bool = False
     shutdown_event: threading.Event = field(default_factory=threading.Event)
     hung_pids: set[int] = field(default_factory=set)
@@ -174,6 +181,9 @@ class _BackgroundResources:
     def __call__(self) -> None:
         self.shutdown_event.set()
         stop_engine_processes(list(self.procs.values()))
+        if self.ray is not None:
+            self.ray.close()
+            self.ray = None
         for sock in self.sockets:
             sock.close(linger=0)
         if self.tmpdir:
@@ -207,6 +217,12 @@ def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> Engine
     first = readies[min(readies)]  # every rank resolves the same quantization
     return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()),
                                    quantization=first.quantization)
+
+
+def exit_cause(proc: Any) -> str:
+    """How an engine core ended, in words: a process's exit status, or what a Ray actor
+    (RayEngineProcess) says of its end."""
+    return getattr(proc, "exit_cause", None) or describe_exit(proc.returncode)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -316,6 +332,12 @@ class MPClient(EngineCoreClient):
 
     def _start(self, asyncio_mode: bool) -> None:
         res, pc = self.resources, self.config.parallel_config
+        if pc.data_parallel_backend == "ray":
+            from pagellm.distributed.ray_engines import CoreEngineActorManager
+
+            res.ray = CoreEngineActorManager(self.config)
+            if pc.data_parallel_address is None:  # the actors connect to this node's address
+                pc = dataclasses.replace(pc, data_parallel_address=res.ray.frontend_host())
         tcp = pc.data_parallel_address is not None
         prestarted = claim_prestarted() if self.local_ranks == [0] == self.ranks and not tcp else None
         if prestarted:
@@ -345,8 +367,7 @@ class MPClient(EngineCoreClient):
         if prestarted:
             send_config(prestarted.proc, self.config)
         else:
-            res.procs = dict(zip(self.local_ranks, launch_engines(self.config, self.local_ranks,
-                                                                   self.input_addr, self.output_addr)))
+            res.procs = dict(zip(self.local_ranks, self._launch(self.local_ranks)))
         self.check = HandshakeCheck(pc.data_parallel_size, self.config.fingerprint(),
                                     {rank: proc.pid for rank, proc in res.procs.items()})
         accepted = wait_for_ready(self.input_socket, self.check, self.ranks, res.procs, self.input_addr,
@@ -360,6 +381,12 @@ class MPClient(EngineCoreClient):
                                remote_timeout=envs.PAGELLM_REMOTE_ENGINE_TIMEOUT_S)
         self._start_monitor()
 
+    def _launch(self, ranks: Sequence[int]) -> list[subprocess.Popen]:
+        """Engine cores for `ranks`: processes, or Ray actors (data_parallel_backend='ray')."""
+        if self.resources.ray is not None:
+            return self.resources.ray.launch(ranks, self.input_addr, self.output_addr)
+        return launch_engines(self.config, ranks, self.input_addr, self.output_addr)
+
     def _start_monitor(self) -> None:
         res = self.resources
         on_exit_ref = weakref.WeakMethod(self._on_process_exit)  # the thread must not keep us alive
@@ -372,7 +399,7 @@ class MPClient(EngineCoreClient):
                             or res.shutdown_event.is_set()):
                         continue
                     reported.add(proc.pid)
-                    cause = describe_exit(proc.returncode)
+                    cause = exit_cause(proc)
                     logger.error("Engine core %d (pid %d) died: %s.", rank, proc.pid, cause)
                     on_exit = on_exit_ref()
                     if on_exit is None or not on_exit(rank, proc, cause):
@@ -728,7 +755,15 @@ class AsyncMPClient(MPClient):
         for attempt in range(1, self.MAX_RESTART_ATTEMPTS + 1):
             if res.shutdown_event.is_set():
                 return
-            (proc,) = launch_engines(self.config, [rank], self.input_addr, self.output_addr)
+            try:  # a Ray actor takes a moment to place: off the event loop
+                (proc,) = await asyncio.to_thread(self._launch, [rank])
+            except EngineStartupError as e:
+                logger.error("Engine core %d restart attempt %d failed: %s", rank, attempt, e)
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+                continue
+            if res.shutdown_event.is_set():  # the client shut down meanwhile: not one of its cores
+                stop_engine_processes([proc])
+                return
             res.procs[rank] = proc
             self.check.local_pids[rank] = proc.pid
             try:

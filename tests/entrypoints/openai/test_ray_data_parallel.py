@@ -1,0 +1,137 @@
+"""`--data-parallel-backend ray` on a local Ray cluster of two raylets (one CPU each, every
+address loopback, usage stats off, no dashboard): `pagellm serve -dp 2` places one engine
+core actor on each raylet, requests land on both ranks with a single engine's greedy
+text, a core actor killed under load fails its streams with the 503 event within 2 s
+while the other rank finishes its own, and a new actor serves the rank again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.entrypoints.openai.conftest import ServerProcess
+from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _wait_healthy
+from tests.entrypoints.openai.test_multi_node import PROMPTS, _single_engine_texts, _success
+from tests.utils import import_benchmark
+
+pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pagellm[ray]')")
+
+_free_port_pair = import_benchmark("compare").free_port_pair
+
+# Ray's own settings for the test cluster and every process that joins it: no usage
+# report, and this machine's loopback address as every node's (Ray's choice on macOS).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+PLACED = re.compile(r"Engine core (\d+): Ray actor on node (\w+) \(([\d.]+)\), pid (\d+), (\d+) CPU")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ.update(RAY_ENV)  # the raylets inherit it
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
+    try:
+        cluster.add_node(**NODE_ARGS)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _placements(log: Path) -> list[tuple[int, str, str, int]]:
+    """(rank, node id, node address, pid) of each actor the server started, in order."""
+    return [(int(m[1]), m[2], m[3], int(m[4])) for m in PLACED.finditer(log.read_text())]
+
+
+def test_ray_backend_places_a_core_on_each_raylet_and_a_killed_actor_comes_back(
+        ray_cluster, tiny_model, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGELLM_NUM_THREADS", "1")  # a bundle of one CPU per rank: one per raylet
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    model = tiny_model("llama", max_position_embeddings=2048)
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        srv = ServerProcess("--model", model, "-dp", "2", "--data-parallel-backend", "ray",
+                            "--data-parallel-rpc-port", str(_free_port_pair()), "--max-model-len", "2048",
+                            "--restart-engine-on-failure", stderr=log)
+    try:
+        placed = _placements(log_path)
+        assert sorted(rank for rank, *_ in placed) == [0, 1]
+        nodes = {rank: node for rank, node, _, _ in placed}
+        assert nodes[0] != nodes[1]  # one core on each raylet
+        assert set(nodes.values()) == {n.node_id for n in ray_cluster.list_all_nodes()}
+        assert all(ip == "127.0.0.1" for _, _, ip, _ in placed)
+        old_pid = dict((rank, pid) for rank, _, _, pid in placed)[1]
+
+        # one request at a time: the balancer alternates, two on each rank
+        texts = []
+        for prompt in PROMPTS:
+            r = httpx.post(srv.url + "/v1/completions", headers=_auth(srv), timeout=60,
+                           json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200
+            texts.append(r.json()["choices"][0]["text"])
+        assert (_success(srv, 0), _success(srv, 1)) == (2, 2)
+        assert texts == _single_engine_texts(model)  # the mp backend's engine-core process
+
+        async def load_and_kill() -> tuple[list[dict], float]:
+            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
+                body = {**BODY, "max_tokens": 1500}  # still running at the kill
+                streams = [asyncio.create_task(_stream(client, body)) for _ in range(4)]
+                await asyncio.to_thread(srv.wait_running, 4)
+                killed_at = time.monotonic()
+                os.kill(old_pid, signal.SIGKILL)  # rank 1's actor process
+                return await asyncio.gather(*streams), killed_at
+
+        results, killed_at = asyncio.run(load_and_kill())
+        failed = [r for r in results if r["error"] is not None]
+        completed = [r for r in results if r["error"] is None]
+        assert len(failed) == 2 and len(completed) == 2  # rank 1's two fail, rank 0's finish
+        assert all(r["tokens"] == 1500 and r["done"] for r in completed)
+        for r in failed:
+            assert r["done"] and r["error"]["code"] == 503
+            assert r["error"]["message"] == ("The engine core serving this request died (its Ray actor died "
+                                             "(its process or node died)) and is restarting; retry the request.")
+            assert r["error_at"] - killed_at < 2
+        assert _success(srv, 0) == 4 and _success(srv, 1) == 2
+
+        _wait_healthy(srv, within=30)  # a new actor for rank 1 handshook
+        new = [p for p in _placements(log_path)[2:] if p[0] == 1]
+        assert len(new) == 1 and new[0][3] != old_pid
+        assert new[0][1] == nodes[1]  # in rank 1's bundle, on the same raylet
+        assert srv.metric('pagellm:engine_restarts_total{engine="1"') == 1
+        for prompt in PROMPTS[:2]:
+            r = httpx.post(srv.url + "/v1/completions", headers=_auth(srv), timeout=60,
+                           json={"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200
+        assert _success(srv, 1) == 3  # rank 1 serves again
+        live = [placed[0][3], new[0][3]]
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in live):
+        assert time.monotonic() < deadline, "the engine core actors outlived the server"
+        time.sleep(0.1)
+
+
+def test_a_bad_data_parallel_backend_is_a_clear_error() -> None:
+    r = subprocess.run([sys.executable, "-m", "pagellm", "serve", "m", "-dp", "2", "--data-parallel-backend", "rays"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "data_parallel_backend must be one of mp, ray; got 'rays'." in r.stderr
