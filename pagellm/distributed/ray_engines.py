@@ -41,11 +41,11 @@ class EngineCoreActor:
         self._proc: Any = None  # the EngineCoreProc, once it runs
         self._stop = threading.Event()
 
-    def where(self) -> tuple[str, str, int]:
-        """(node id, node address, pid) of this actor's process."""
+    def where(self) -> tuple[str, int]:
+        """(node id, pid) of this actor's process."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def run(self, config: EngineConfig, rank: int, input_address: str, output_address: str) -> int:
         """The engine core, until it is told to stop: its exit status (as a process's)."""
@@ -141,8 +141,8 @@ class CoreEngineActorManager:
         from ray.util.placement_group import placement_group
 
         self.config = config
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
+        self.initialized_ray = not ray.is_initialized()
+        if self.initialized_ray:
             # RAY_ADDRESS, else a cluster `ray start` runs on this machine, else a local one
             ray.init(include_dashboard=False, log_to_driver=True, namespace=f"pagellm-{uuid.uuid4().hex[:8]}")
         n = config.parallel_config.data_parallel_size
@@ -180,7 +180,7 @@ class CoreEngineActorManager:
         node's address as the Ray cluster knows it."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address()  # the address its raylet has (`ray start --node-ip-address`)
 
     def launch(self, ranks: Sequence[int], input_addr: str, output_addr: str) -> list[RayEngineProcess]:
         """An actor per rank in the rank's bundle, each started on the engine-core loop."""
@@ -204,8 +204,10 @@ class CoreEngineActorManager:
                 ray.kill(actor, no_restart=True)
             raise EngineStartupError(f"Ray could not start the engine core actor(s) for ranks {list(ranks)}: "
                                      f"{type(e).__name__}: {e}") from None
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         procs = []
-        for rank, actor, (node_id, node_ip, pid) in zip(ranks, actors, places):
+        for rank, actor, (node_id, pid) in zip(ranks, actors, places):
+            node_ip = addresses.get(node_id, "?")
             run_ref = actor.run.remote(self.config, rank, input_addr, output_addr)
             logger.info("Engine core %d: Ray actor on node %s (%s), pid %d, %d CPU(s).",
                         rank, node_id, node_ip, pid, self.cpus)
@@ -223,7 +225,7 @@ class CoreEngineActorManager:
             ray.util.remove_placement_group(self.placement_group)
         except Exception:  # the cluster is going away with this process
             pass
-        if self.started_ray:
+        if self.initialized_ray:
             ray.shutdown()
 
 

@@ -175,8 +175,9 @@ class _BackgroundResources:
     """The CoreEngineActorManager with data_parallel_backend='ray' (closed after the actors stop)."""
     engine_dead: bool = False
     shutdown_event: threading.Event = field(default_factory=threading.Event)
-    hung_pids: set[int] = field(default_factory=set)
-    """Processes the watchdog killed (it reported them; the monitor stays quiet)."""
+    hung: set = field(default_factory=set)
+    """Processes the watchdog killed (it reported them; the monitor stays quiet). By the
+    object, not the pid: Ray actors on different nodes may share a pid."""
 
     def __call__(self) -> None:
         self.shutdown_event.set()
@@ -306,7 +307,7 @@ class HangWatch:
 def _kill_hung(res: _BackgroundResources, rank: int, cause: str) -> subprocess.Popen:
     """Ends a hung engine process (SIGKILL ends a stopped one too), said once in the log."""
     proc = res.procs[rank]
-    res.hung_pids.add(proc.pid)
+    res.hung.add(proc)
     logger.error("Engine core %d (pid %d) is %s; killing it.", rank, proc.pid, cause)
     if proc.poll() is None:
         proc.kill()
@@ -375,6 +376,8 @@ class MPClient(EngineCoreClient):
         self.ready = merge_ready_responses({rank: response for rank, (_, response) in accepted.items()})
         self.identities = {rank: identity for rank, (identity, _) in accepted.items()}
         remote = [r for r in self.ranks if r not in self.local_ranks]
+        if res.ray is not None:
+            logger.info("Engine cores %s (Ray actors) joined at %s.", self.ranks, self.input_addr)
         if remote:
             logger.info("Engine cores %s of other nodes joined at %s.", remote, self.input_addr)
         self.watch = HangWatch(pc.engine_iteration_timeout_s, self.ranks, remote_ranks=remote,
@@ -392,13 +395,13 @@ class MPClient(EngineCoreClient):
         on_exit_ref = weakref.WeakMethod(self._on_process_exit)  # the thread must not keep us alive
 
         def monitor() -> None:
-            reported: set[int] = set()
+            reported: set = set()  # processes (by identity, as res.hung)
             while not res.shutdown_event.is_set():
                 for rank, proc in list(res.procs.items()):
-                    if (proc.pid in reported or proc.pid in res.hung_pids or proc.poll() is None
+                    if (proc in reported or proc in res.hung or proc.poll() is None
                             or res.shutdown_event.is_set()):
                         continue
-                    reported.add(proc.pid)
+                    reported.add(proc)
                     cause = exit_cause(proc)
                     logger.error("Engine core %d (pid %d) died: %s.", rank, proc.pid, cause)
                     on_exit = on_exit_ref()

@@ -7,6 +7,7 @@ while the other rank finishes its own, and a new actor serves the rank again."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import signal
@@ -24,12 +25,14 @@ from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _
 from tests.entrypoints.openai.test_multi_node import PROMPTS, _single_engine_texts, _success
 from tests.utils import import_benchmark
 
-pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'pagellm[ray]')")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                reason="the Ray backend's tests need Ray (pip install 'pagellm[ray]')")
 
 _free_port_pair = import_benchmark("compare").free_port_pair
 
 # Ray's own settings for the test cluster and every process that joins it: no usage
-# report, and this machine's loopback address as every node's (Ray's choice on macOS).
+# report, and this machine's loopback address as every node's (Ray's choice on macOS; read
+# when ray is first imported, so the test imports it only after setting it).
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
 PLACED = re.compile(r"Engine core (\d+): Ray actor on node (\w+) \(([\d.]+)\), pid (\d+), (\d+) CPU")
@@ -37,14 +40,15 @@ PLACED = re.compile(r"Engine core (\d+): Ray actor on node (\w+) \(([\d.]+)\), p
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from ray.cluster_utils import Cluster
-
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)  # the raylets inherit it
+    from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
     try:
         cluster.add_node(**NODE_ARGS)
         cluster.wait_for_nodes()
+        assert cluster.address.startswith("127.0.0.1:")
         yield cluster
     finally:
         cluster.shutdown()
