@@ -134,6 +134,67 @@ def test_ray_backend_places_a_core_on_each_raylet_and_a_killed_actor_comes_back(
         time.sleep(0.1)
 
 
+def test_a_lost_raylet_fails_its_ranks_requests_and_a_new_node_takes_the_rank(
+        ray_cluster, tiny_model, monkeypatch) -> None:
+    """A node's raylet killed (its workers go with it): Ray reports the actor dead, the
+    rank's request fails with EngineRestartingError while the other rank's finishes, and the
+    rank waits for room; a node that joins gets the rank's bundle and serves it."""
+    from pagellm import AsyncLLM, SamplingParams
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.engine.exceptions import EngineRestartingError
+
+    monkeypatch.setenv("PAGELLM_NUM_THREADS", "1")
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    model = tiny_model("llama", max_position_embeddings=2048)
+    (worker,) = ray_cluster.worker_nodes
+
+    async def main() -> None:
+        llm = AsyncLLM.from_engine_args(EngineArgs(
+            model=model, max_model_len=2048, data_parallel_size=2, data_parallel_backend="ray",
+            data_parallel_rpc_port=_free_port_pair(), restart_engine_on_failure=True))
+        try:
+            llm.start()
+            procs = llm.engine_core.resources.procs
+            (lost,) = [rank for rank, proc in procs.items() if proc.node_id == worker.node_id]
+            started = {rank: asyncio.Event() for rank in (0, 1)}
+
+            async def generate(rank: int, max_tokens: int) -> int | BaseException:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                tokens = 0
+                try:
+                    async for out in llm.generate("Hello there", params, f"r{rank}-{max_tokens}",
+                                                  data_parallel_rank=rank):
+                        tokens = len(out.outputs[0].token_ids)
+                        started[rank].set()
+                except EngineRestartingError as e:
+                    return e
+                return tokens
+
+            runs = {rank: asyncio.create_task(generate(rank, 1500)) for rank in (0, 1)}
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+            lost_at = time.monotonic()
+            ray_cluster.remove_node(worker, allow_graceful=False)
+            error = await asyncio.wait_for(runs[lost], 30)
+            assert isinstance(error, EngineRestartingError)
+            assert str(error) == ("The engine core serving this request died (its Ray actor died (its process "
+                                  "or node died)) and is restarting; retry the request.")
+            assert time.monotonic() - lost_at < 10
+            assert await runs[1 - lost] == 1500  # the other rank's request finishes
+            assert llm.restarting_engines == [lost]  # no room for its bundle until a node joins
+
+            new = ray_cluster.add_node(**NODE_ARGS)
+            deadline = time.monotonic() + 60
+            while llm.restarting_engines:
+                assert time.monotonic() < deadline, "the rank was not served again on the new node"
+                await asyncio.sleep(0.1)
+            assert procs[lost].node_id == new.node_id
+            assert await generate(lost, 8) == 8
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_bad_data_parallel_backend_is_a_clear_error() -> None:
     r = subprocess.run([sys.executable, "-m", "pagellm", "serve", "m", "-dp", "2", "--data-parallel-backend", "rays"],
                        capture_output=True, text=True, timeout=60)
