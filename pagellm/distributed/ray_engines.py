@@ -89,32 +89,46 @@ class RayEngineProcess:
             return self.returncode
         import ray
 
-        ready, _ = ray.wait([self.run_ref], timeout=0)
+        # Every call checks that this process is still a driver: a Ray call after
+        # ray.shutdown() would start a new local cluster (Ray's auto-init).
+        if not ray.is_initialized():
+            self._end(1, "this process left the Ray cluster (its actors end with it)")
+            return self.returncode
+        try:
+            ready, _ = ray.wait([self.run_ref], timeout=0)
+        except Exception:  # ray.shutdown() in another thread meanwhile
+            if ray.is_initialized():
+                raise
+            ready = [self.run_ref]
         if ready:
-            self._ended()
+            self._end(*self._outcome())
         return self.returncode
 
-    def _ended(self) -> None:
+    def _outcome(self) -> tuple[int, str]:
+        """(exit status, cause) of the finished run call."""
         import ray
 
+        try:
+            code = ray.get(self.run_ref, timeout=5)
+            return code, f"exited with code {code}"
+        except ray.exceptions.RayActorError as e:
+            how = "killed by ray.kill()" if "ray.kill" in str(e) else "its process or node died"
+            return 1, f"its Ray actor died ({how})"
+        except Exception as e:  # another Ray error, or this process left the cluster meanwhile
+            return 1, f"its Ray actor failed: {type(e).__name__}"
+
+    def _end(self, code: int, cause: str) -> None:
         with self._lock:
             if self.returncode is not None:
                 return
-            try:
-                code, cause = ray.get(self.run_ref), None
-            except ray.exceptions.RayActorError as e:
-                how = "killed by ray.kill()" if "ray.kill" in str(e) else "its process or node died"
-                code, cause = 1, f"its Ray actor died ({how})"
-            except ray.exceptions.RayError as e:
-                code, cause = 1, f"its Ray actor failed: {type(e).__name__}"
-            ray.kill(self.actor, no_restart=True)  # frees its bundle's CPUs for the next core
-            self.exit_cause = cause or f"exited with code {code}"
-            self.returncode = code
+            self.kill()  # frees its bundle's CPUs for the next core
+            self.exit_cause, self.returncode = cause, code
 
     def wait(self, timeout: float | None = None) -> int:
         import ray
 
-        ray.wait([self.run_ref], timeout=timeout)
+        if self.poll() is None:
+            ray.wait([self.run_ref], timeout=timeout)
         if self.poll() is None:
             raise subprocess.TimeoutExpired(f"engine core actor {self.rank}", timeout or 0)
         return self.returncode  # type: ignore[return-value]
@@ -127,7 +141,8 @@ class RayEngineProcess:
     def kill(self) -> None:
         import ray
 
-        ray.kill(self.actor, no_restart=True)
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
 
 
 class CoreEngineActorManager:

@@ -11,6 +11,7 @@ EngineFailure among the outputs, and a new process takes the rank over.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import pickle
@@ -337,6 +338,8 @@ class MPClient(EngineCoreClient):
             from pagellm.distributed.ray_engines import CoreEngineActorManager
 
             res.ray = CoreEngineActorManager(self.config)
+            # at exit, stop the actors before Ray's own exit hook (registered by now) leaves the cluster
+            atexit.register(self._finalizer)
             if pc.data_parallel_address is None:  # the actors connect to this node's address
                 pc = dataclasses.replace(pc, data_parallel_address=res.ray.frontend_host())
         tcp = pc.data_parallel_address is not None
