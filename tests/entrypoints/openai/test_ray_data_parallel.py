@@ -25,8 +25,8 @@ from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _
 from tests.entrypoints.openai.test_multi_node import PROMPTS, _single_engine_texts, _success
 from tests.utils import import_benchmark
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="the Ray backend's tests need Ray (pip install 'pagellm[ray]')")
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="the Ray backend's tests need Ray (pip install 'pagellm[ray]')")
 
 _free_port_pair = import_benchmark("compare").free_port_pair
 
@@ -64,6 +64,7 @@ def _placements(log: Path) -> list[tuple[int, str, str, int]]:
     return [(int(m[1]), m[2], m[3], int(m[4])) for m in PLACED.finditer(log.read_text())]
 
 
+@needs_ray
 def test_ray_backend_places_a_core_on_each_raylet_and_a_killed_actor_comes_back(
         ray_cluster, tiny_model, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGELLM_NUM_THREADS", "1")  # a bundle of one CPU per rank: one per raylet
@@ -134,6 +135,7 @@ def test_ray_backend_places_a_core_on_each_raylet_and_a_killed_actor_comes_back(
         time.sleep(0.1)
 
 
+@needs_ray
 def test_a_lost_raylet_fails_its_ranks_requests_and_a_new_node_takes_the_rank(
         ray_cluster, tiny_model, monkeypatch) -> None:
     """A node's raylet killed (its workers go with it): Ray reports the actor dead, the
