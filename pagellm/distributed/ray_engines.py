@@ -159,7 +159,11 @@ class CoreEngineActorManager:
         self.initialized_ray = not ray.is_initialized()
         if self.initialized_ray:
             # RAY_ADDRESS, else a cluster `ray start` runs on this machine, else a local one
-            ray.init(include_dashboard=False, log_to_driver=True, namespace=f"pagellm-{uuid.uuid4().hex[:8]}")
+            try:
+                ray.init(include_dashboard=False, log_to_driver=True, namespace=f"pagellm-{uuid.uuid4().hex[:8]}")
+            except Exception as e:
+                raise EngineStartupError(f"Cannot join or start a Ray cluster (RAY_ADDRESS="
+                                         f"{os.environ.get('RAY_ADDRESS')!r}): {type(e).__name__}: {e}") from e
         n = config.parallel_config.data_parallel_size
         self.cpus = envs.PAGELLM_NUM_THREADS or max(1, int(ray.cluster_resources().get("CPU", 1)) // n)
         # SPREAD: ranks on different nodes where the cluster has room (each replica its own
