@@ -4,6 +4,7 @@ Writes benchmarks/results/dp-loopback-<timestamp>.json.
 
     python benchmarks/dp_loopback.py                  # default model, 2 rounds
     python benchmarks/dp_loopback.py --rounds 3 --model /work/models/l1b.gguf
+    python benchmarks/dp_loopback.py --b ray          # B: the ranks as Ray actors instead
 
 In turns, A B A B ...: (A) one server, `pagellm serve MODEL -dp 2`; (B) a head,
 `pagellm serve MODEL -dp 2 --data-parallel-size-local 1 --data-parallel-address 127.0.0.1
@@ -14,6 +15,9 @@ prompts of --input-len ids (seeded, non-special vocabulary), --output-len tokens
 (ignore_eos, temperature 0); output tokens/s over the batch's wall time. Then SIGTERM and
 wait. Both "nodes" of B share this machine, so every engine core runs --threads threads
 (PAGELLM_NUM_THREADS; default: half the cores, what A's two ranks get by themselves).
+With --b ray, B is `pagellm serve MODEL -dp 2 --data-parallel-backend ray`: the server
+starts a local Ray cluster (usage stats off, loopback addresses) and its two ranks as Ray
+actors, which connect to it over loopback TCP; B's start-up includes Ray's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import RESULTS_DIR, describe_machine, free_port, free_port_pair, system_env  # noqa: E402
 
 DP = 2
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""B with --b ray: Ray reports no usage, and its nodes take the loopback address."""
 TARGET = 0.95
 """B's output tokens/s over A's that issue #38 asks for (the median of the rounds)."""
 
@@ -65,6 +71,9 @@ def commands(args: argparse.Namespace, setup: str, http_port: int) -> dict[str, 
     http = ["--host", "127.0.0.1", "--port", str(http_port)]
     if setup == "A":
         return {"head": [*serve, *http]}
+    if args.b == "ray":
+        return {"head": [*serve, *http, "--data-parallel-backend", "ray", "--data-parallel-rpc-port",
+                         str(free_port_pair())]}
     rpc = ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
            "--data-parallel-rpc-port", str(free_port_pair())]
     return {"node": [*serve, "--headless", "--data-parallel-start-rank", "1", *rpc],
@@ -177,7 +186,10 @@ def run_setup(args: argparse.Namespace, setup: str, rnd: int, prompts: list[list
     url = f"http://127.0.0.1:{http_port}"
     cmds = commands(args, setup, http_port)
     run.commands = list(cmds.values())
-    env = system_env({"PAGELLM_NUM_THREADS": str(args.threads)} if args.threads > 0 else None)
+    extra = {"PAGELLM_NUM_THREADS": str(args.threads)} if args.threads > 0 else {}
+    if setup == "B" and args.b == "ray":
+        extra.update(RAY_ENV)
+    env = system_env(extra or None)
     procs: dict[str, subprocess.Popen] = {}
     logs = {name: tmp / f"{setup}{rnd}-{name}.log" for name in cmds}
     launch = time.monotonic()
@@ -208,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // DP),
                    help="PAGELLM_NUM_THREADS of every engine core, in A and B (0: unset, each "
                         "setup's own default; B's two nodes then each take every core).")
+    p.add_argument("--b", choices=["headless", "ray"], default="headless",
+                   help="Setup B: a head and a --headless node, or one server whose ranks are Ray actors.")
     p.add_argument("--pagellm-args", default="", help="Extra `pagellm serve` flags, for every process.")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"dp-loopback-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     settings = {k: getattr(args, k) for k in ("model", "rounds", "num_prompts", "input_len", "output_len",
-                                              "seed", "threads", "pagellm_args")}
+                                              "seed", "threads", "b", "pagellm_args")}
     path.write_text(json.dumps({"date": datetime.now().isoformat(timespec="seconds"), "machine": machine,
                                 "settings": settings, "ratios": ratios, "median_ratio": median,
                                 "target": TARGET, "runs": [asdict(r) for r in runs]}, indent=2) + "\n")

@@ -202,6 +202,9 @@ class ParallelConfig:
     """The head's address for the engine sockets (TCP). None: one machine, IPC sockets."""
     data_parallel_rpc_port: int = 29550
     """The head binds its request socket on this port and its output socket on port + 1."""
+    data_parallel_backend: str = "mp"
+    """How the head starts its engine cores: 'mp' (processes of this machine) or 'ray' (Ray
+    actors on a Ray cluster, placed by one placement group; they connect over TCP)."""
 
     @property
     def local_ranks(self) -> range:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -219,6 +220,33 @@ def _send_startup_failure(input_address: str, rank: int, message: str) -> None:
     sock.close()
 
 
+def serve_engine_core(config: Any, rank: int, input_address: str, output_address: str,
+                      on_start: Callable[[EngineCoreProc], None] | None = None) -> int:
+    """Builds rank's EngineCore, handshakes with the frontend and runs the busy loop until a
+    stop; returns the exit status (1 after a startup failure or a fatal error, each sent to
+    the frontend first). The engine-core process's main runs it, and so does a Ray actor
+    (pagellm/distributed/ray_engines.py): one loop for both. `on_start` gets the
+    EngineCoreProc once it runs (its owner may then ask it to stop)."""
+    try:
+        engine = EngineCore(config.with_data_parallel_rank(rank))
+    except Exception as e:
+        logger.error("Engine core %d failed to start:\n%s", rank, traceback.format_exc())
+        _send_startup_failure(input_address, rank, f"{type(e).__name__}: {e}")
+        return 1
+    proc = EngineCoreProc(engine, input_address, output_address, rank)
+    if on_start is not None:
+        on_start(proc)
+    try:
+        proc.run_busy_loop()
+    except Exception as e:
+        logger.error("Engine core %d died:\n%s", rank, traceback.format_exc())
+        proc.send_dead(f"{type(e).__name__}: {e}")
+        return 1
+    finally:
+        engine.shutdown()
+    return proc.exit_status
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--input-address", required=True)
@@ -229,12 +257,12 @@ def main() -> None:
 
     _set_parent_death_signal()
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
-    proc: EngineCoreProc | None = None
+    running: list[EngineCoreProc] = []
 
     def on_stop(signum: int, frame: Any) -> None:
-        if proc is None:
+        if not running:
             _exit_now(0)
-        proc.shutdown_requested = True
+        running[0].shutdown_requested = True
 
     # The frontend owns Ctrl-C and SIGTERM (it drains, then stops its cores); a core stops
     # when told (ENGINE_STOP_SIGNAL) or when its parent dies.
@@ -245,22 +273,10 @@ def main() -> None:
     if not payload:  # a prestarted process its frontend never claimed
         _exit_now(0)
     config = pickle.loads(payload)
-    try:
-        engine = EngineCore(config.with_data_parallel_rank(args.rank))
-    except Exception as e:
-        logger.error("Engine core %d failed to start:\n%s", args.rank, traceback.format_exc())
-        _send_startup_failure(args.input_address, args.rank, f"{type(e).__name__}: {e}")
-        sys.exit(1)
-    proc = EngineCoreProc(engine, args.input_address, args.output_address, args.rank)
-    try:
-        proc.run_busy_loop()
-    except Exception as e:
-        logger.error("Engine core %d died:\n%s", args.rank, traceback.format_exc())
-        proc.send_dead(f"{type(e).__name__}: {e}")
-        sys.exit(1)
-    finally:
-        engine.shutdown()
-    _exit_now(proc.exit_status)
+    status = serve_engine_core(config, args.rank, args.input_address, args.output_address, running.append)
+    if status and not running:  # a startup failure: exit as before, through the interpreter
+        sys.exit(status)
+    _exit_now(status)
 
 
 def _exit_now(code: int) -> None:

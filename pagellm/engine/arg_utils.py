@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import math
 import os
@@ -39,6 +40,8 @@ from pagellm.config import (
 from pagellm.platforms import platform_of, resolve_device
 
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 def _parse_len(value: str) -> int:
@@ -133,6 +136,12 @@ class EngineArgs:
     --headless nodes connect to it. Default: one machine, IPC sockets."""
     data_parallel_rpc_port: int = ParallelConfig.data_parallel_rpc_port
     """Port of the head's engine request socket; its output socket takes the next one."""
+    data_parallel_backend: str = ParallelConfig.data_parallel_backend
+    """How the engine cores start: 'mp' (processes on this machine and --headless nodes) or
+    'ray' (Ray actors, one per rank, placed on a Ray cluster by one placement group: the one
+    RAY_ADDRESS or `ray start` names, else a local one started here; `pip install
+    pagellm[ray]`). With 'ray' the cores connect to --data-parallel-address (default: this
+    node's address as Ray sees it) on --data-parallel-rpc-port and the next port."""
     restart_engine_on_failure: bool = ParallelConfig.restart_engine_on_failure
     """Server only: when an engine-core process dies (killed, out of memory, an error in the
     model), fail its in-flight requests with 503, start a new one with the same config and
@@ -342,6 +351,7 @@ class EngineArgs:
                 data_parallel_start_rank=self.data_parallel_start_rank,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
+                data_parallel_backend=self.data_parallel_backend,
                 restart_engine_on_failure=self.restart_engine_on_failure,
                 engine_iteration_timeout_s=self._iteration_timeout(),
             ),
@@ -473,6 +483,25 @@ class EngineArgs:
         if self.data_parallel_external_lb and (multi_node or self.data_parallel_address is not None):
             raise ValueError("data_parallel_external_lb runs one rank per server; it does not combine "
                              "with data_parallel_address / data_parallel_size_local.")
+        self._verify_data_parallel_backend(multi_node)
+
+    def _verify_data_parallel_backend(self, multi_node: bool) -> None:
+        backend = self.data_parallel_backend
+        if backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}; "
+                             f"got {backend!r}.")
+        if backend != "ray":
+            return
+        if multi_node:
+            raise ValueError("data_parallel_backend='ray' places every rank on the Ray cluster: it does not "
+                             "combine with data_parallel_size_local / data_parallel_start_rank (--headless "
+                             "nodes are the 'mp' backend's way across machines).")
+        if self.data_parallel_external_lb:
+            raise ValueError("data_parallel_backend='ray' serves every rank from one server; it does not "
+                             "combine with data_parallel_external_lb.")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("data_parallel_backend='ray' needs Ray, which is not installed: "
+                             "pip install 'pagellm[ray]'.")
 
     def _verify_structured_outputs(self) -> None:
         from pagellm.config import STRUCTURED_OUTPUTS_BACKENDS as backends

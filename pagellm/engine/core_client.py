@@ -11,6 +11,8 @@ EngineFailure among the outputs, and a new process takes the rank over.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import dataclasses
 import itertools
 import pickle
 import queue
@@ -89,6 +91,9 @@ class EngineCoreClient(ABC):
         if config.parallel_config.data_parallel_address is not None:
             raise ValueError("LLM runs its engine core on this machine; engine cores on other nodes "
                              "(data_parallel_address) are served by `pagellm serve`.")
+        if config.parallel_config.data_parallel_backend == "ray":
+            raise ValueError("LLM runs its engine core in a process of its own; engine cores as Ray actors "
+                             "(data_parallel_backend='ray') are served by `pagellm serve` (or AsyncLLM).")
         if multiprocess_mode:
             return SyncMPClient(config)
         return InprocClient(config)
@@ -165,15 +170,22 @@ class _BackgroundResources:
     ctx: zmq.Context | None = None
     sockets: list = field(default_factory=list)
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> its live process
+    """(or, with data_parallel_backend='ray', its actor: a RayEngineProcess, Popen's methods)"""
     tmpdir: str | None = None
+    ray: Any = None
+    """The CoreEngineActorManager with data_parallel_backend='ray' (closed after the actors stop)."""
     engine_dead: bool = False
     shutdown_event: threading.Event = field(default_factory=threading.Event)
-    hung_pids: set[int] = field(default_factory=set)
-    """Processes the watchdog killed (it reported them; the monitor stays quiet)."""
+    hung: set = field(default_factory=set)
+    """Processes the watchdog killed (it reported them; the monitor stays quiet). By the
+    object, not the pid: Ray actors on different nodes may share a pid."""
 
     def __call__(self) -> None:
         self.shutdown_event.set()
         stop_engine_processes(list(self.procs.values()))
+        if self.ray is not None:
+            self.ray.close()
+            self.ray = None
         for sock in self.sockets:
             sock.close(linger=0)
         if self.tmpdir:
@@ -207,6 +219,12 @@ def merge_ready_responses(readies: dict[int, EngineCoreReadyResponse]) -> Engine
     first = readies[min(readies)]  # every rank resolves the same quantization
     return EngineCoreReadyResponse(num_gpu_blocks=min(r.num_gpu_blocks for r in readies.values()),
                                    quantization=first.quantization)
+
+
+def exit_cause(proc: Any) -> str:
+    """How an engine core ended, in words: a process's exit status, or what a Ray actor
+    (RayEngineProcess) says of its end."""
+    return getattr(proc, "exit_cause", None) or describe_exit(proc.returncode)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -290,7 +308,7 @@ class HangWatch:
 def _kill_hung(res: _BackgroundResources, rank: int, cause: str) -> subprocess.Popen:
     """Ends a hung engine process (SIGKILL ends a stopped one too), said once in the log."""
     proc = res.procs[rank]
-    res.hung_pids.add(proc.pid)
+    res.hung.add(proc)
     logger.error("Engine core %d (pid %d) is %s; killing it.", rank, proc.pid, cause)
     if proc.poll() is None:
         proc.kill()
@@ -316,6 +334,14 @@ class MPClient(EngineCoreClient):
 
     def _start(self, asyncio_mode: bool) -> None:
         res, pc = self.resources, self.config.parallel_config
+        if pc.data_parallel_backend == "ray":
+            from pagellm.distributed.ray_engines import CoreEngineActorManager
+
+            res.ray = CoreEngineActorManager(self.config)
+            # at exit, stop the actors before Ray's own exit hook (registered by now) leaves the cluster
+            atexit.register(self._finalizer)
+            if pc.data_parallel_address is None:  # the actors connect to this node's address
+                pc = dataclasses.replace(pc, data_parallel_address=res.ray.frontend_host())
         tcp = pc.data_parallel_address is not None
         prestarted = claim_prestarted() if self.local_ranks == [0] == self.ranks and not tcp else None
         if prestarted:
@@ -345,8 +371,7 @@ class MPClient(EngineCoreClient):
         if prestarted:
             send_config(prestarted.proc, self.config)
         else:
-            res.procs = dict(zip(self.local_ranks, launch_engines(self.config, self.local_ranks,
-                                                                   self.input_addr, self.output_addr)))
+            res.procs = dict(zip(self.local_ranks, self._launch(self.local_ranks)))
         self.check = HandshakeCheck(pc.data_parallel_size, self.config.fingerprint(),
                                     {rank: proc.pid for rank, proc in res.procs.items()})
         accepted = wait_for_ready(self.input_socket, self.check, self.ranks, res.procs, self.input_addr,
@@ -354,25 +379,33 @@ class MPClient(EngineCoreClient):
         self.ready = merge_ready_responses({rank: response for rank, (_, response) in accepted.items()})
         self.identities = {rank: identity for rank, (identity, _) in accepted.items()}
         remote = [r for r in self.ranks if r not in self.local_ranks]
+        if res.ray is not None:
+            logger.info("Engine cores %s (Ray actors) joined at %s.", self.ranks, self.input_addr)
         if remote:
             logger.info("Engine cores %s of other nodes joined at %s.", remote, self.input_addr)
         self.watch = HangWatch(pc.engine_iteration_timeout_s, self.ranks, remote_ranks=remote,
                                remote_timeout=envs.PAGELLM_REMOTE_ENGINE_TIMEOUT_S)
         self._start_monitor()
 
+    def _launch(self, ranks: Sequence[int]) -> list[subprocess.Popen]:
+        """Engine cores for `ranks`: processes, or Ray actors (data_parallel_backend='ray')."""
+        if self.resources.ray is not None:
+            return self.resources.ray.launch(ranks, self.input_addr, self.output_addr)
+        return launch_engines(self.config, ranks, self.input_addr, self.output_addr)
+
     def _start_monitor(self) -> None:
         res = self.resources
         on_exit_ref = weakref.WeakMethod(self._on_process_exit)  # the thread must not keep us alive
 
         def monitor() -> None:
-            reported: set[int] = set()
+            reported: set = set()  # processes (by identity, as res.hung)
             while not res.shutdown_event.is_set():
                 for rank, proc in list(res.procs.items()):
-                    if (proc.pid in reported or proc.pid in res.hung_pids or proc.poll() is None
+                    if (proc in reported or proc in res.hung or proc.poll() is None
                             or res.shutdown_event.is_set()):
                         continue
-                    reported.add(proc.pid)
-                    cause = describe_exit(proc.returncode)
+                    reported.add(proc)
+                    cause = exit_cause(proc)
                     logger.error("Engine core %d (pid %d) died: %s.", rank, proc.pid, cause)
                     on_exit = on_exit_ref()
                     if on_exit is None or not on_exit(rank, proc, cause):
@@ -728,7 +761,15 @@ class AsyncMPClient(MPClient):
         for attempt in range(1, self.MAX_RESTART_ATTEMPTS + 1):
             if res.shutdown_event.is_set():
                 return
-            (proc,) = launch_engines(self.config, [rank], self.input_addr, self.output_addr)
+            try:  # a Ray actor takes a moment to place: off the event loop
+                (proc,) = await asyncio.to_thread(self._launch, [rank])
+            except EngineStartupError as e:
+                logger.error("Engine core %d restart attempt %d failed: %s", rank, attempt, e)
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+                continue
+            if res.shutdown_event.is_set():  # the client shut down meanwhile: not one of its cores
+                stop_engine_processes([proc])
+                return
             res.procs[rank] = proc
             self.check.local_pids[rank] = proc.pid
             try:

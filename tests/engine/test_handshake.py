@@ -80,6 +80,13 @@ def test_the_fingerprint_covers_what_must_agree_and_not_the_layout(tiny_model, t
     ({"data_parallel_rpc_port": 65535}, "data_parallel_rpc_port must be in [1, 65534]"),
     ({"data_parallel_size": 2, "data_parallel_external_lb": True, "data_parallel_address": "10.0.0.1"},
      "data_parallel_external_lb runs one rank per server"),
+    ({"data_parallel_size": 2, "data_parallel_backend": "rays"}, "data_parallel_backend must be one of mp, ray; got 'rays'."),
+    ({"data_parallel_size": 2, "data_parallel_backend": "ray", "data_parallel_size_local": 1,
+      "data_parallel_address": "10.0.0.1"},
+     "data_parallel_backend='ray' places every rank on the Ray cluster: it does not combine with "
+     "data_parallel_size_local / data_parallel_start_rank"),
+    ({"data_parallel_size": 2, "data_parallel_backend": "ray", "data_parallel_external_lb": True},
+     "data_parallel_backend='ray' serves every rank from one server"),
 ])
 def test_bad_data_parallel_layouts_are_refused_by_name(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -94,6 +101,26 @@ def test_the_cli_has_vllms_multi_node_flags() -> None:
         "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345"])
     assert (args.headless, args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_start_rank,
             args.data_parallel_address, args.data_parallel_rpc_port) == (True, 4, 2, 2, "10.0.0.1", 13345)
+    assert args.data_parallel_backend == "mp"
+    ray = build_parser("serve").parse_args(["serve", "m", "-dp", "2", "--data-parallel-backend", "ray"])
+    assert EngineArgs.from_cli_args(ray).data_parallel_backend == "ray"
+
+
+def test_the_ray_backend_without_ray_names_the_extra(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"data_parallel_backend='ray' needs Ray, which is not installed: "
+                                         r"pip install 'pagellm\[ray\]'."):
+        EngineArgs(data_parallel_size=2, data_parallel_backend="ray").verify_args()
+
+
+def test_llm_refuses_the_ray_backend(tiny_model) -> None:
+    from pagellm import LLM
+
+    with pytest.raises(ValueError, match="engine cores as Ray actors"):
+        LLM(model=tiny_model("llama"), max_model_len=256, data_parallel_backend="ray")
 
 
 

@@ -88,7 +88,8 @@ def _runs_one_engine_process(args: argparse.Namespace) -> bool:
 
     return (getattr(args, "starts_engine", False) and envs.PAGELLM_ENABLE_MULTIPROCESSING
             and getattr(args, "data_parallel_size", 1) == 1 and not getattr(args, "headless", False)
-            and getattr(args, "data_parallel_address", None) is None)
+            and getattr(args, "data_parallel_address", None) is None
+            and getattr(args, "data_parallel_backend", "mp") == "mp")
 
 
 def _version() -> str:
