@@ -128,6 +128,8 @@ class EngineCore:
         """Aborts the requests the core holds; returns the ids it does not hold."""
         missing = [r for r in request_ids if r not in self.scheduler.requests]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.drafter is not None:
+            self.drafter.keep_only(self.scheduler.running_req_ids())
         return missing
 
     def receive_abort(self, request_ids: list[str]) -> int:
@@ -177,6 +179,8 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         self._apply_early_aborts()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter is not None:  # finished and preempted requests' draft KV
+            self.drafter.keep_only(self.scheduler.running_req_ids())
         if self.check_invariants:
             self.scheduler.check_invariants()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
@@ -185,7 +189,6 @@ class EngineCore:
         """The draft model's proposals for the step about to be scheduled (vLLM drafts at
         the end of the step before; the same tokens, one step's order earlier)."""
         assert self.drafter is not None
-        self.drafter.keep_only({r.request_id for r in self.scheduler.running})
         wanted = self.scheduler.draft_requests()
         if wanted:
             self.scheduler.update_draft_token_ids(self.drafter.propose([

@@ -310,6 +310,9 @@ class Scheduler:
         wanted = [(r, self._proposal_limit(r, share)) for r in self.running] if share else []
         return [(r, k) for r, k in wanted if k > 0]
 
+    def running_req_ids(self) -> set[str]:
+        return {r.request_id for r in self.running}
+
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """The draft model's proposals for the next schedule() (vLLM's name); each is
         used once, in that step."""
