@@ -268,8 +268,16 @@ def _self_drafted_counts(max_tokens: int, k: int) -> tuple[int, int]:
     return runs, proposals
 
 
-@pytest.mark.parametrize("activations", ["float32", "q8"])
-def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_path: str, activations: str) -> None:
+def _module_path(llm: LLM) -> None:
+    """The target's and the draft's layers one at a time from Python, not the one-region C step."""
+    core = _core(llm)
+    for model in (core.model_runner.model.model, *([core.drafter.model.model] if core.drafter else [])):
+        model.fused_decode, model._fused_checked = None, True
+
+
+@pytest.mark.parametrize(("activations", "path"), [("float32", "c_step"), ("q8", "c_step"), ("q8", "module")])
+def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_path: str, activations: str,
+                                                                  path: str) -> None:
     """The same model (same file) as target and draft: each proposal is the target's own
     greedy token, so all are accepted: counted exactly, alone and in a batch."""
     k, max_tokens = 4, 40
@@ -277,6 +285,9 @@ def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_
     plain = _engine(None, None, gguf_activations=activations)
     spec = _engine(None, _spec(default_model_path, k), gguf_activations=activations)
     try:
+        if path == "module":
+            _module_path(plain)
+            _module_path(spec)
         want = _ids(plain.generate(PROMPTS, params, use_tqdm=False))
         sched = _core(spec).scheduler
         for i, prompt in enumerate(PROMPTS):
@@ -288,7 +299,10 @@ def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_
             4 * runs, 4 * proposals, 4 * proposals)
         assert totals.accepted_per_pos == [4 * runs] * 3 + [4 * (runs - 1)]
 
-        # the batch: 4 requests share the step's 16 rows, 3 proposals each
+        # the batch: 4 requests share the step's 16 rows, 3 proposals each (without the
+        # prefix cache's hits on the prompts above: a hit's last prompt token, recomputed
+        # alone, has numbers of its own on the q8 module path, as without speculation)
+        assert _core(spec).reset_prefix_cache()
         assert _ids(spec.generate(PROMPTS, params, use_tqdm=False)) == want
         batch_runs, batch_proposals = _self_drafted_counts(max_tokens, 3)
         assert totals.num_draft_tokens - 4 * proposals == 4 * batch_proposals
@@ -320,20 +334,21 @@ def _chi_square_p(a: Counter, b: Counter) -> float:
     return float(chi2_contingency([[a[k] for k in keys], [b[k] for k in keys]]).pvalue)
 
 
-def test_sampled_tokens_follow_the_same_distribution(default_model_path: str) -> None:
-    """Seeded samples (top-3 at temperature 1) of the 2nd and 3rd tokens: the draft (the
-    model itself) proposes its argmax, which the target's sample keeps with the argmax's
-    probability: some proposals are accepted, others rejected, and the counts match those
-    without speculation (chi-square, fixed seeds: the same samples every run)."""
+def test_sampled_tokens_follow_the_same_distribution(tiny_pair: dict[str, str]) -> None:
+    """Seeded samples (top-3 at temperature 1) of the 2nd to 4th tokens on the tiny target:
+    the near draft proposes its argmax, which the target's sample keeps with about that
+    token's probability: some proposals are accepted, others rejected, and the counts match
+    those without speculation (chi-square, fixed seeds: the same samples every run)."""
     prompt = "The three primary colors are"
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(600)]
-    plain, spec = _engine(None, None, max_num_seqs=4), _engine(None, _spec(default_model_path, 2), max_num_seqs=4)
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=s) for s in range(800)]
+    plain = _engine(tiny_pair["target"], None, max_num_seqs=4)
+    spec = _engine(tiny_pair["target"], _spec(tiny_pair["near"], 3), max_num_seqs=4)
     try:
         a = _ids(plain.generate([prompt] * len(params), params, use_tqdm=False))
         b = _ids(spec.generate([prompt] * len(params), params, use_tqdm=False))
         totals = _core(spec).scheduler.spec_totals
         assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
-        for pos in (1, 2):
+        for pos in (1, 2, 3):
             ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
             assert len(ca) > 1
             assert _chi_square_p(ca, cb) > 1e-3, (pos, ca, cb)
