@@ -206,6 +206,14 @@ class EngineCore:
         """A plain dict (utility results cross the wire without their struct type)."""
         return msgspec.structs.asdict(self.scheduler.make_stats())
 
+    def get_spec_decode_totals(self) -> dict[str, Any]:
+        """Speculative decoding since start: verify runs, proposed and accepted tokens, and
+        the draft model's forwards (0 without one)."""
+        totals = self.scheduler.spec_totals
+        return {"num_drafts": totals.num_drafts, "num_draft_tokens": totals.num_draft_tokens,
+                "num_accepted_tokens": totals.num_accepted_tokens,
+                "draft_forwards": self.drafter.num_forwards if self.drafter is not None else 0}
+
     def get_num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 

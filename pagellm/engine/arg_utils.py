@@ -382,8 +382,9 @@ class EngineArgs:
 
     def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
         """The draft model's ModelConfig (its config read, no weights): it runs where the
-        target runs, in the target's dtype and activations, and must share its vocabulary
-        and reach its max_model_len. Errors here come before any weights load."""
+        target runs, in the target's dtype and activations, and must share its vocabulary;
+        its max_model_len is the shorter of the two contexts. Errors here come before any
+        weights load."""
         from pagellm.config.arch_config import context_length
         from pagellm.model_executor import ModelRegistry, loader
 
@@ -401,13 +402,11 @@ class EngineArgs:
             raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
                              f"tokens, the target {target.model!r} one of {target.vocab_size}: a draft model "
                              "must share the target's vocabulary.")
-        limit = context_length(hf_config, default=2048)
-        if limit < target.max_model_len:
-            raise ValueError(f"speculative_config.model {spec.model!r} reaches {limit} tokens, fewer than "
-                             f"max_model_len ({target.max_model_len}); lower max_model_len to at most {limit}.")
         _check_same_token_ids(path, target)
+        # A draft of a shorter context drafts for sequences within it only (vLLM's rule)
+        max_len = min(target.max_model_len, context_length(hf_config, default=2048))
         return dataclasses.replace(
-            target, model=spec.model, model_path=path, tokenizer=path, hf_config=hf_config,
+            target, model=spec.model, model_path=path, tokenizer=path, hf_config=hf_config, max_model_len=max_len,
             generation_config=loader.load_generation_config(path),
             quantization=self._resolve_quantization(path, self._resolve_device()),
             served_names=target.served_names)

@@ -149,8 +149,13 @@ class DraftModelProposer:
         return {run.req.req_id: run.proposals for run in started}
 
     def _begin(self, req: DraftRequest) -> _Run | None:
-        state = self._states.setdefault(req.req_id, _DraftState())
         n = len(req.token_ids)
+        # A draft of a shorter context than the target's drafts within it (positions up to
+        # n + k - 2 are run, the last proposal's is n + k - 1).
+        req.num_tokens = min(req.num_tokens, self.model_config.max_model_len - n)
+        if req.num_tokens < 1:
+            return None
+        state = self._states.setdefault(req.req_id, _DraftState())
         # Keep the tokens the cache holds that are still the request's, but not the last
         # one: its row gives the first proposal.
         keep = min(_common_prefix(state.fed, req.token_ids), n - 1)

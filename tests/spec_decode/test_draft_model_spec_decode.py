@@ -149,12 +149,25 @@ def test_token_id_mismatch_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path:
         LLM(tiny_pair["target"], speculative_config=_spec(str(draft)), multiprocess_mode=False)
 
 
-def test_short_draft_context_is_refused(monkeypatch: pytest.MonkeyPatch, tiny_model: Callable[..., str],
-                                        tiny_pair: dict[str, str]) -> None:
-    short = tiny_model("llama", max_position_embeddings=64)
-    _no_weights(monkeypatch)
-    with pytest.raises(ValueError, match=r"reaches 64 tokens, fewer than max_model_len \(128\); lower max_model_len"):
-        LLM(tiny_pair["target"], speculative_config=_spec(short), max_model_len=128, multiprocess_mode=False)
+def test_a_draft_of_a_shorter_context_drafts_within_it(tiny_model: Callable[..., str],
+                                                      tiny_pair: dict[str, str]) -> None:
+    """vLLM's rule: the draft's max_model_len is the shorter context, and a sequence past
+    it is verified without proposals (positions 0 .. 63 here)."""
+    short = tiny_model("llama", rms_norm_eps=1.0, max_position_embeddings=64)
+    params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 140))}
+    plain = _engine(tiny_pair["target"], None, max_model_len=128)
+    spec = _engine(tiny_pair["target"], _spec(short), max_model_len=128)
+    try:
+        assert _core(spec).drafter.model_config.max_model_len == 64
+        assert _ids(spec.generate(prompt, params, use_tqdm=False)) == _ids(plain.generate(prompt, params, use_tqdm=False))
+        totals = _core(spec).scheduler.spec_totals
+        # 40 prompt tokens: proposals for tokens 41 .. 64 only (the last at position 63)
+        assert 0 < totals.num_draft_tokens <= 64 - 41
+        _assert_empty(spec)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
 
 
 def test_draft_kv_is_counted_in_the_budget(tiny_pair: dict[str, str]) -> None:
