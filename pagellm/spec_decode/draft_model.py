@@ -56,6 +56,9 @@ class _DraftState:
 
     fed: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    confirmed: int = 0
+    """fed[:confirmed] were the request's own tokens when run (not proposals): a request's
+    tokens only grow, so they still are, and only the rest is compared again."""
 
 
 @dataclass
@@ -158,8 +161,10 @@ class DraftModelProposer:
         state = self._states.setdefault(req.req_id, _DraftState())
         # Keep the tokens the cache holds that are still the request's, but not the last
         # one: its row gives the first proposal.
-        keep = min(_common_prefix(state.fed, req.token_ids), n - 1)
+        sure = state.confirmed
+        keep = min(sure + _common_prefix(state.fed[sure:], req.token_ids[sure:]), n - 1)
         del state.fed[keep:]
+        state.confirmed = min(sure, keep)
         # Positions 0 .. n + k - 2 get written (the last proposal is never run).
         if not self._take_blocks(state, cdiv(n + req.num_tokens - 1, self.block_size)):
             return None
@@ -238,6 +243,8 @@ class DraftModelProposer:
         self.num_forwards += 1
         for run, (c, e) in zip(runs, chunks):
             run.state.fed.extend(run.tokens[c:e])
+            if c == run.state.confirmed:
+                run.state.confirmed = min(e, len(run.req.token_ids))
         sampling = [i for i, (run, (_, e)) in enumerate(zip(runs, chunks)) if e == len(run.tokens)]
         if not sampling:
             return
