@@ -222,6 +222,11 @@ def test_greedy_tokens_identical_tiny(tiny_pair: dict[str, str]) -> None:
         assert "stop" in [c.finish_reason for c in b[3].outputs]
         assert _ids(b) == _ids(a)
 
+        lp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+        a, b = plain.generate(PROMPTS[1], lp, use_tqdm=False), near.generate(PROMPTS[1], lp, use_tqdm=False)
+        assert [{t: (x.logprob, x.rank) for t, x in d.items()} for d in b[0].outputs[0].logprobs] == [
+            {t: (x.logprob, x.rank) for t, x in d.items()} for d in a[0].outputs[0].logprobs]
+
         cached = near.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]  # its prompt ran above
         assert cached.num_cached_tokens > 0 and list(cached.outputs[0].token_ids) == want[0]
         for spec in (near, far):
@@ -321,6 +326,24 @@ def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_
         assert totals.num_draft_tokens - 4 * proposals == 4 * batch_proposals
         assert totals.num_accepted_tokens == totals.num_draft_tokens
         assert totals.num_drafts == 4 * runs + 4 * batch_runs
+        _assert_empty(spec)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+def test_drafting_resumes_after_a_batch_too_large_to_propose(default_model_path: str) -> None:
+    """18 requests decode without proposals (16 rows a step hold no more) until enough
+    finish; then the draft catches up on each survivor's prompt and every token it has
+    decoded since, in one run of decode-like rows, and its proposals are all accepted."""
+    prompts = [f"{p} {i}" for i in range(5) for p in PROMPTS][:18]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(18)]
+    plain = _engine(None, None, max_num_seqs=32)
+    spec = _engine(None, _spec(default_model_path, 4), max_num_seqs=32)
+    try:
+        assert _ids(spec.generate(prompts, params, use_tqdm=False)) == _ids(plain.generate(prompts, params, use_tqdm=False))
+        totals = _core(spec).get_spec_decode_totals()
+        assert totals["num_drafts"] > 0 and totals["num_accepted_tokens"] == totals["num_draft_tokens"]
         _assert_empty(spec)
     finally:
         plain.shutdown()
