@@ -169,7 +169,10 @@ class EngineArgs:
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each step a decoding request also runs
     the tokens that followed the latest earlier occurrence of its last n tokens and keeps
     those the model agrees with: the same tokens (greedy) or the same distribution
-    (sampled), fewer steps where the output repeats its input. Off by default."""
+    (sampled), fewer steps where the output repeats its input. With a draft model of the
+    same vocabulary, {"model": "draft.gguf", "num_speculative_tokens": 4} (method
+    "draft_model", inferred from "model"): the draft decodes the proposals greedily.
+    Off by default."""
     reasoning_parser: str = ""
     """Reasoning parser for the model's output (deepseek_r1, qwen3): the server returns the
     reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
