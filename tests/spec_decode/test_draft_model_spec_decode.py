@@ -254,6 +254,34 @@ def test_preemption_keeps_greedy_tokens_tiny(tiny_pair: dict[str, str]) -> None:
         spec.shutdown()
 
 
+def test_a_request_short_of_draft_blocks_proposes_nothing(tiny_pair: dict[str, str]) -> None:
+    """The draft's pool is as large as the target's, but shares no prefix blocks: a
+    request it cannot hold proposes nothing (proposals are optional), and one it can
+    still does; rejected proposals roll its cache back."""
+    from pagellm.spec_decode.draft_model import DraftRequest
+
+    llm = _engine(tiny_pair["target"], _spec(tiny_pair["near"]), num_gpu_blocks_override=6,
+                  block_size=16, max_model_len=64)
+    drafter = _core(llm).drafter
+    try:
+        assert len(drafter._free_blocks) == 5
+        small = DraftRequest("small", list(range(100, 120)), 19, 3)  # 20 + 3 - 1 positions: 2 blocks
+        big = DraftRequest("big", list(range(200, 250)), 49, 3)  # 52 positions: 4 blocks, 3 left
+        out = drafter.propose([small, big])
+        assert "big" in drafter._states and drafter._states["big"].blocks == []
+        assert list(out) == ["small"] and len(out["small"]) == 3
+        assert drafter.num_used_blocks == 2 and drafter._states["small"].fed == small.token_ids + out["small"][:2]
+        # the target kept the first proposal and sampled another token after it
+        other = (out["small"][1] + 1) % 1000
+        again = drafter.propose([DraftRequest("small", small.token_ids + [out["small"][0], other], 19, 2)])
+        assert drafter._states["small"].fed[:22] == small.token_ids + [out["small"][0], other]
+        assert len(again["small"]) == 2
+        drafter.keep_only(set())
+        assert drafter.num_used_blocks == 0 and len(drafter._free_blocks) == 5
+    finally:
+        llm.shutdown()
+
+
 def test_abort_frees_the_draft_kv(tiny_pair: dict[str, str]) -> None:
     llm = _engine(tiny_pair["target"], _spec(tiny_pair["near"]))
     engine = llm.llm_engine
