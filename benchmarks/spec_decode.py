@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup) on one conversation, with and without it,
-pagellm and llama-server in turns.
+"""Speculative decoding (n-gram prompt lookup, and a draft model) on one conversation, with
+and without it, pagellm and llama-server in turns.
 
     python benchmarks/spec_decode.py                                  # pagellm alone
     python benchmarks/spec_decode.py --llama-server $B/llama-server   # and llama.cpp beside
+    python benchmarks/spec_decode.py --model l1b.gguf --draft-model default --workloads G,S
 
 Workloads (one request at a time, greedy):
 - G (input-grounded): the chat template around "Repeat the following text exactly" and a
@@ -15,7 +16,8 @@ Workloads (one request at a time, greedy):
 
 Systems: `pagellm` (the default LLM(): engine core in its own process) and `pagellm-ngram`
 (the same with --spec-config, vLLM's speculative_config), one live engine each, taking
-turns; with --llama-server, `llamacpp` (`llama-server -t N -tb N -np 1 --jinja`, compare.py's
+turns; with --draft-model, `pagellm-draft` (speculative_config {"model": the draft,
+"num_speculative_tokens": --draft-k}; --no-ngram leaves pagellm-ngram out); with --llama-server, `llamacpp` (`llama-server -t N -tb N -np 1 --jinja`, compare.py's
 thread settings, in the user's own environment) and `llamacpp-ngram` (the same with
 --llama-spec-args, default `--spec-type ngram-simple` at its documented sizes), each
 started once and asked in the same turns through /v1/chat/completions (G) or /completion
@@ -73,6 +75,11 @@ class Pagellm:
         self.llm = LLM(model, speculative_config=spec)
         self.engine = self.llm.llm_engine
         self.count = 0
+        self.speculates = spec is not None
+
+    def spec_totals(self) -> dict[str, int]:
+        """Verify runs, proposed and accepted tokens, draft forwards since start."""
+        return self.engine.engine_core.call_utility("get_spec_decode_totals") if self.speculates else {}
 
     def _run(self, prompt: Any, params: Any) -> tuple[float, int]:
         self.count += 1
@@ -147,6 +154,10 @@ def main() -> int:
     p.add_argument("--model", default=None, help="a GGUF file or compare.py's names (default: the default model)")
     p.add_argument("--spec-config", default='{"method": "ngram", "num_speculative_tokens": 8, '
                    '"prompt_lookup_max": 5, "prompt_lookup_min": 3}', help="pagellm-ngram's speculative_config")
+    p.add_argument("--draft-model", default=None,
+                   help="a draft model (a GGUF file or compare.py's names, e.g. 'default'): adds pagellm-draft")
+    p.add_argument("--draft-k", type=int, default=4, help="pagellm-draft's num_speculative_tokens")
+    p.add_argument("--no-ngram", action="store_true", help="leave the pagellm-ngram row out")
     p.add_argument("--llama-server", default=None, help="llama-server binary: adds the llamacpp rows")
     p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
                    help="llamacpp-ngram's extra flags")
@@ -159,7 +170,12 @@ def main() -> int:
     model = compare.resolve_model(args.model)
     spec = json.loads(args.spec_config)
     texts = passages(args.passages, args.passage_chars)
-    systems: dict[str, Any] = {"pagellm": Pagellm(model, None), "pagellm-ngram": Pagellm(model, spec)}
+    systems: dict[str, Any] = {"pagellm": Pagellm(model, None)}
+    if not args.no_ngram:
+        systems["pagellm-ngram"] = Pagellm(model, spec)
+    if args.draft_model:
+        draft = {"model": compare.resolve_model(args.draft_model), "num_speculative_tokens": args.draft_k}
+        systems["pagellm-draft"] = Pagellm(model, draft)
     if args.llama_server:
         systems["llamacpp"] = LlamaServer(args.llama_server, model, [])
         systems["llamacpp-ngram"] = LlamaServer(args.llama_server, model, args.llama_spec_args.split())
@@ -181,6 +197,8 @@ def main() -> int:
                         print(f"round {r} {workload}{i} {name:15s} {rate:7.1f} tok/s ({n} tokens)", flush=True)
         totals = {name: {"draft_n_accepted": s.accepted[0], "draft_n": s.accepted[1]}
                   for name, s in systems.items() if isinstance(s, LlamaServer) and s.accepted[1]}
+        pagellm_totals = {name: s.spec_totals() for name, s in systems.items()
+                          if isinstance(s, Pagellm) and s.speculates}
     finally:
         for s in systems.values():
             s.close()
@@ -188,16 +206,20 @@ def main() -> int:
     print(f"\n{'system':16s} {'workload':8s} {'decode tok/s':>12s} {'tokens':>7s}  ratio")
     for (name, workload), values in rates.items():
         med = statistics.median(values)
-        base = rates.get((name.removesuffix("-ngram"), workload))
-        ratio = med / statistics.median(base) if base and name.endswith("-ngram") else None
+        plain = name.removesuffix("-ngram").removesuffix("-draft")
+        base = rates.get((plain, workload))
+        ratio = med / statistics.median(base) if base and plain != name else None
         rows[f"{name}/{workload}"] = {"median_tok_s": med, "rounds": values, "tokens": lengths[(name, workload)],
                                       "over_plain": ratio}
         peer = rates.get(("llamacpp-ngram", workload))
         vs = f", x{med / statistics.median(peer):.2f} llamacpp-ngram" if peer and name == "pagellm-ngram" else ""
         print(f"{name:16s} {workload:8s} {med:12.1f} {statistics.median(lengths[(name, workload)]):7.0f}  "
               + (f"x{ratio:.2f} over plain" if ratio else "") + vs)
+    for name, t in pagellm_totals.items():  # warm-up included
+        print(f"{name}: {t['num_accepted_tokens']} of {t['num_draft_tokens']} proposals accepted in "
+              f"{t['num_drafts']} verify runs; {t['draft_forwards']} draft forwards")
     result = {"machine": compare.describe_machine(quick=True), "model": model, "args": vars(args),
-              "rows": rows, "llamacpp_drafts": totals}
+              "rows": rows, "llamacpp_drafts": totals, "pagellm_spec_totals": pagellm_totals}
     out = Path(__file__).resolve().parent / "results" / f"spec-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"\nresults: {out}")

@@ -246,7 +246,7 @@ class CompilationConfig:
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -255,11 +255,17 @@ class SpeculativeConfig:
     runs its last token plus up to `num_speculative_tokens` proposed ones, and keeps the
     proposals the model itself would have produced."""
 
-    method: str = "ngram"
+    method: str | None = None
     """How tokens are proposed: 'ngram' (prompt lookup: the tokens that followed the
-    latest earlier occurrence of the request's last n tokens, in its prompt or output)."""
+    latest earlier occurrence of the request's last n tokens, in its prompt or output) or
+    'draft_model' (a smaller model of the same vocabulary, `model`, decodes them greedily).
+    None: 'draft_model' when `model` names one, else 'ngram' (vLLM infers it from `model`
+    too)."""
     num_speculative_tokens: int | None = None
     """Most tokens proposed per request per step (required)."""
+    model: str | None = None
+    """The draft model (method 'draft_model'): a path, .gguf file or hub id, as the target's
+    `model`. Its tokenizer must give the same ids as the target's."""
     prompt_lookup_max: int | None = None
     """Longest n-gram matched (tried first); default: prompt_lookup_min, or 5 without either."""
     prompt_lookup_min: int | None = None
@@ -268,6 +274,14 @@ class SpeculativeConfig:
     """No proposals in a step with at least this many running requests (None: never off
     for that; a step still proposes only while its decode rows and proposals fit the
     int8 decode kernels' 16 rows, see pagellm.spec_decode)."""
+    draft_model_config: ModelConfig | None = field(default=None, repr=False, compare=False)
+    """The draft model's ModelConfig, made by EngineArgs from `model` (as vLLM makes its
+    draft_model_config); None for 'ngram'."""
+
+    def __post_init__(self) -> None:
+        if self.method is None:  # vLLM's inference: a model other than "ngram" is a draft
+            inferred = "draft_model" if self.model not in (None, "ngram", "[ngram]") else "ngram"
+            object.__setattr__(self, "method", inferred)
 
     @property
     def lookup_range(self) -> tuple[int, int]:
@@ -282,6 +296,13 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                              f"got {self.method!r}.")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model must name the draft model for method 'draft_model', "
+                             "e.g. {\"method\": \"draft_model\", \"model\": \"draft.gguf\", "
+                             "\"num_speculative_tokens\": 4}.")
+        if self.method == "ngram" and self.model not in (None, "ngram", "[ngram]"):
+            raise ValueError(f"speculative_config.model ({self.model!r}) applies to method 'draft_model'; "
+                             "method 'ngram' proposes from the request's own tokens.")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}.")

@@ -27,6 +27,7 @@ from pagellm.core.sched.scheduler import Scheduler
 from pagellm.logger import init_logger
 from pagellm.model_executor.loader import load_tokenizer
 from pagellm.platforms import platform_of
+from pagellm.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.worker.model_runner import ModelRunner
 
@@ -43,6 +44,10 @@ def _confirm_quantization(config: EngineConfig) -> EngineConfig:
 
     if load_kernels() is not None:
         return config
+    spec = config.speculative_config
+    if spec is not None and spec.draft_model_config is not None and spec.draft_model_config.quantization == "gguf":
+        draft = dataclasses.replace(spec.draft_model_config, quantization=None)
+        config = dataclasses.replace(config, speculative_config=dataclasses.replace(spec, draft_model_config=draft))
     return dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, quantization=None))
 
 
@@ -56,9 +61,18 @@ class EngineCore:
         config = _confirm_quantization(config)
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
-        num_blocks = self.model_runner.determine_num_blocks()
+        self.drafter: DraftModelProposer | None = None
+        """The draft model of speculative method 'draft_model': loaded before the KV cache is
+        sized, its cache as many blocks as the target's, both in one budget."""
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            self.drafter = DraftModelProposer(config)
+            self.drafter.load_model()
+        draft_bytes = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        num_blocks = self.model_runner.determine_num_blocks(extra_bytes_per_block=draft_bytes)
         _check_pool_holds_a_sequence(config, num_blocks)
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_gpu_blocks=num_blocks)
         )
@@ -114,6 +128,8 @@ class EngineCore:
         """Aborts the requests the core holds; returns the ids it does not hold."""
         missing = [r for r in request_ids if r not in self.scheduler.requests]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.drafter is not None:
+            self.drafter.keep_only(self.scheduler.running_req_ids())
         return missing
 
     def receive_abort(self, request_ids: list[str]) -> int:
@@ -153,6 +169,8 @@ class EngineCore:
         client index and whether the model ran."""
         if not self.scheduler.has_requests():
             return {}, False
+        if self.drafter is not None:
+            self._draft()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.waiting_for_grammar:
             # Nothing runs until a grammar is ready: wait for one instead of spinning (the
@@ -161,9 +179,20 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         self._apply_early_aborts()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter is not None:  # finished and preempted requests' draft KV
+            self.drafter.keep_only(self.scheduler.running_req_ids())
         if self.check_invariants:
             self.scheduler.check_invariants()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _draft(self) -> None:
+        """The draft model's proposals for the step about to be scheduled (vLLM drafts at
+        the end of the step before; the same tokens, one step's order earlier)."""
+        assert self.drafter is not None
+        wanted = self.scheduler.draft_requests()
+        if wanted:
+            self.scheduler.update_draft_token_ids(self.drafter.propose([
+                DraftRequest(r.request_id, r.all_token_ids, r.num_prompt_tokens, k) for r, k in wanted]))
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
@@ -176,6 +205,14 @@ class EngineCore:
     def get_scheduler_stats(self) -> dict[str, Any]:
         """A plain dict (utility results cross the wire without their struct type)."""
         return msgspec.structs.asdict(self.scheduler.make_stats())
+
+    def get_spec_decode_totals(self) -> dict[str, Any]:
+        """Speculative decoding since start: verify runs, proposed and accepted tokens, and
+        the draft model's forwards (0 without one)."""
+        totals = self.scheduler.spec_totals
+        return {"num_drafts": totals.num_drafts, "num_draft_tokens": totals.num_draft_tokens,
+                "num_accepted_tokens": totals.num_accepted_tokens,
+                "draft_forwards": self.drafter.num_forwards if self.drafter is not None else 0}
 
     def get_num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()

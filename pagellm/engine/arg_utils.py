@@ -178,7 +178,10 @@ class EngineArgs:
     "prompt_lookup_max": 4, "prompt_lookup_min": 2}. Each step a decoding request also runs
     the tokens that followed the latest earlier occurrence of its last n tokens and keeps
     those the model agrees with: the same tokens (greedy) or the same distribution
-    (sampled), fewer steps where the output repeats its input. Off by default."""
+    (sampled), fewer steps where the output repeats its input. With a draft model of the
+    same vocabulary, {"model": "draft.gguf", "num_speculative_tokens": 4} (method
+    "draft_model", inferred from "model"): the draft decodes the proposals greedily.
+    Off by default."""
     reasoning_parser: str = ""
     """Reasoning parser for the model's output (deepseek_r1, qwen3): the server returns the
     reasoning as reasoning_content, and a structured output applies after the reasoning ends."""
@@ -386,7 +389,40 @@ class EngineArgs:
         spec = self.speculative_config
         if spec is not None and model_config.runner_type == "pooling":
             raise ValueError("speculative_config applies to generation; a pooling engine samples no tokens.")
-        return spec
+        if spec is None or spec.method != "draft_model":
+            return spec
+        return dataclasses.replace(spec, draft_model_config=self._draft_model_config(spec, model_config))
+
+    def _draft_model_config(self, spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+        """The draft model's ModelConfig (its config read, no weights): it runs where the
+        target runs, in the target's dtype and activations, and must share its vocabulary;
+        its max_model_len is the shorter of the two contexts. Errors here come before any
+        weights load."""
+        from pagellm.config.arch_config import context_length
+        from pagellm.model_executor import ModelRegistry, loader
+
+        assert spec.model is not None
+        try:
+            path = loader.resolve_model_path(spec.model)
+        except (FileNotFoundError, OSError) as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+        hf_config = loader.load_hf_config(path)
+        arch = hf_config.architectures[0]
+        if ModelRegistry.is_encoder_only(arch):
+            raise ValueError(f"speculative_config.model {spec.model!r} is an encoder ({arch}); a draft "
+                             "model must generate.")
+        if hf_config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
+                             f"tokens, the target {target.model!r} one of {target.vocab_size}: a draft model "
+                             "must share the target's vocabulary.")
+        _check_same_token_ids(path, target)
+        # A draft of a shorter context drafts for sequences within it only (vLLM's rule)
+        max_len = min(target.max_model_len, context_length(hf_config, default=2048))
+        return dataclasses.replace(
+            target, model=spec.model, model_path=path, tokenizer=path, hf_config=hf_config, max_model_len=max_len,
+            generation_config=loader.load_generation_config(path),
+            quantization=self._resolve_quantization(path, self._resolve_device()),
+            served_names=target.served_names)
 
     def _resolve_runner(self, hf_config: Any) -> str:
         from pagellm.model_executor import ModelRegistry
@@ -594,6 +630,23 @@ def normalize_config(name: str, value: Any, cls: type) -> Any:
                 )
         return cls(**value)
     raise ValueError(f"Invalid '{name}' provided: expected an int, a dict or {cls.__name__}, got {value!r}.")
+
+
+def _check_same_token_ids(draft_path: str, target: ModelConfig) -> None:
+    """A draft's tokens are ids of the target's vocabulary: the two tokenizers must map
+    every token to the same id (one file, or one tokenizer in two files, passes at once)."""
+    from pagellm.model_executor.loader import load_tokenizer
+
+    if os.path.realpath(draft_path) == os.path.realpath(target.tokenizer):
+        return
+    draft_vocab = load_tokenizer(draft_path).get_vocab()
+    target_vocab = load_tokenizer(target.model_path, target.tokenizer).get_vocab()
+    if draft_vocab != target_vocab:
+        differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"speculative_config.model {draft_path!r}: its tokenizer maps tokens to other ids "
+                         f"than the target's ({len(set(draft_vocab.items()) ^ set(target_vocab.items()))} "
+                         f"(token, id) pairs differ, e.g. {differ}); a draft model must share the target's "
+                         "vocabulary.")
 
 
 def _parse_json_object(text: str) -> dict:

@@ -124,7 +124,9 @@ class ModelRunner:
                                                            self.kv_dtype)
         return m.num_layers * per_layer
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, extra_bytes_per_block: int = 0) -> int:
+        """Blocks of the KV cache: the override, else the memory budget over the bytes of a
+        block (plus `extra_bytes_per_block`: a draft model's block, kept beside each)."""
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
@@ -135,11 +137,12 @@ class ModelRunner:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_budget(self.device, cc)
-        num_blocks = min(budget // self.kv_bytes_per_block(), useful)
+        block_bytes = self.kv_bytes_per_block() + extra_bytes_per_block
+        num_blocks = min(budget // block_bytes, useful)
         if num_blocks < 2:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds fewer than 2 blocks of "
-                f"{self.kv_bytes_per_block()} bytes; raise kv_cache_memory_bytes."
+                f"{block_bytes} bytes; raise kv_cache_memory_bytes."
             )
         return int(num_blocks)
 

@@ -52,7 +52,7 @@ def test_step_rows_match_the_int8_decode_kernels() -> None:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram; got 'eagle'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method must be one of ngram, draft_model; got 'eagle'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
     ({"method": "ngram"}, "num_speculative_tokens must be a positive integer, got None"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},

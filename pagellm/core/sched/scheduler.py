@@ -121,8 +121,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.speculative_config = speculative_config
         self.proposer: NgramProposer | None = None
-        if speculative_config is not None:
+        if speculative_config is not None and speculative_config.method == "ngram":
             self.proposer = NgramProposer(*speculative_config.lookup_range)
+        self._draft_token_ids: dict[str, list[int]] = {}
+        """A draft model's proposals for the next schedule() (update_draft_token_ids)."""
         self._spec_stats = _SpecStats()
         self._spec_k: dict[str, int] = {}
         """Proposal length each speculating request gets next (see _adapt_spec_k)."""
@@ -192,6 +194,7 @@ class Scheduler:
             self._admit_compiled_grammars()
         plan = _StepPlan(token_budget=self.max_num_batched_tokens, spec_share=self._spec_share())
         self._schedule_running(plan)
+        self._draft_token_ids = {}
         if not plan.preempted:
             self._schedule_waiting(plan)
         return self._build_output(plan)
@@ -277,17 +280,43 @@ class Scheduler:
         return min(spec.num_speculative_tokens, (MAX_STEP_ROWS - decodes) // decodes)
 
     def _propose(self, request: Request, plan: _StepPlan) -> list[int]:
-        """Tokens to verify after the request's last generated one: none for a structured
-        output (its grammar is not advanced over proposals), and never past max_tokens, the
-        context or the step's budget."""
-        if (request.structured_output_request is not None or self.proposer is None
-                or request.num_computed_tokens < request.num_prompt_tokens):
-            return []  # (the last token of a prompt runs as a prompt row, alone)
-        limit = min(plan.spec_share, self._spec_k.get(request.request_id, plan.spec_share),
-                    plan.token_budget - 1,
-                    request.max_tokens - request.num_output_tokens - 1,
-                    self.max_model_len - request.num_tokens)
-        return self.proposer.propose(request.all_token_ids, limit) if limit > 0 else []
+        """Tokens to verify after the request's last generated one (n-gram lookup, or the
+        draft model's from update_draft_token_ids), within the step's budget."""
+        limit = min(self._proposal_limit(request, plan.spec_share), plan.token_budget - 1)
+        if limit <= 0:
+            return []
+        if self.proposer is None:  # a draft model proposed before this schedule()
+            return self._draft_token_ids.get(request.request_id, [])[:limit]
+        return self.proposer.propose(request.all_token_ids, limit)
+
+    def _proposal_limit(self, request: Request, spec_share: int) -> int:
+        """Most tokens the request may propose this step: none for a structured output (its
+        grammar is not advanced over proposals) or a request still in its prompt, and never
+        past its proposal length, max_tokens or the context."""
+        if (request.structured_output_request is not None or not spec_share
+                or request.num_computed_tokens < request.num_prompt_tokens
+                or request.num_tokens - request.num_computed_tokens != 1):
+            return 0  # (the last token of a prompt runs as a prompt row, alone)
+        return min(spec_share, self._spec_k.get(request.request_id, spec_share),
+                   request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens)
+
+    def draft_requests(self) -> list[tuple[Request, int]]:
+        """For a draft model, before schedule(): each running request that will decode in
+        the next step and may propose, with how many tokens (its limit before the step's
+        token budget, which schedule() applies). The engine core drafts them and hands the
+        tokens back through update_draft_token_ids."""
+        share = self._spec_share()
+        wanted = [(r, self._proposal_limit(r, share)) for r in self.running] if share else []
+        return [(r, k) for r, k in wanted if k > 0]
+
+    def running_req_ids(self) -> set[str]:
+        return {r.request_id for r in self.running}
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The draft model's proposals for the next schedule() (vLLM's name); each is
+        used once, in that step."""
+        self._draft_token_ids = draft_token_ids
 
     def _pick_victim_index(self) -> int:
         """FCFS: the newest running request. Priority: the largest (priority, arrival)."""
