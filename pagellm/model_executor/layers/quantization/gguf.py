@@ -55,7 +55,9 @@ logits whose top two are often close; one level there changed the default model'
 token of its README answer ("The capital of France is Paris." -> "L'Étoile, la Cité, ...").
 A second level costs one more int8 pass over the head's rows (each weight row unpacked
 once for both): on the default model (a Q8_0 head of 49152 x 576, 2 threads) 0.98 ms
-against 0.68 ms for one level, 3-5% of its decode step."""
+against 0.68 ms for one level, 3-5% of its decode step. From AMX_MIN_ROWS rows, where the
+CPU has AMX-BF16, the head runs on AMX tiles in bfloat16 instead (GGUFLinearMethod.apply):
+the default model's head at 64 rows 7.7 ms against 30.9 ms in float32 tiles (one thread)."""
 
 Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations in the decode kernels (the q8
@@ -146,7 +148,8 @@ class GGUFConfig(QuantizationConfig):
             # the head's int8 activations in two levels (HEAD_INT8_LEVELS)
             levels = HEAD_INT8_LEVELS if prefix == "lm_head" else INT8_LEVELS[self.activations]
             q8 = self.activations != "float32"
-            return GGUFLinearMethod(q8_activations=q8, int8_levels=levels, repack=q8 and repack_weights())
+            return GGUFLinearMethod(q8_activations=q8, int8_levels=levels, repack=q8 and repack_weights(),
+                                    head=prefix == "lm_head")
         if isinstance(layer, Embedding):
             return GGUFEmbeddingMethod()
         return None
@@ -241,10 +244,12 @@ class GGUFLinearMethod(QuantizeMethodBase):
     """y = x @ W.T with W in GGUF blocks (`layer.weight_groups`); `repack`: Q4_K, Q4_0, Q4_1
     and Q8_0 groups repacked after loading (repack_weights)."""
 
-    def __init__(self, q8_activations: bool = False, int8_levels: int = 1, repack: bool = False) -> None:
+    def __init__(self, q8_activations: bool = False, int8_levels: int = 1, repack: bool = False,
+                 head: bool = False) -> None:
         self.q8_activations = q8_activations
         self.int8_levels = int8_levels
         self.repack = repack
+        self.head = head  # the logits head: AMX from AMX_MIN_ROWS rows (apply)
 
     def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int],
                        bias: bool) -> None:
@@ -290,7 +295,16 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.q8_activations:  # float32 rows take the batched kernel at any count
+        if (self.head and self.q8_activations and x.shape[0] >= AMX_MIN_ROWS
+                and x.shape[1] % 32 == 0 and (lib := _kernels()).pg_amx_ready()):
+            # the logits head of many rows (a batched decode step, a prompt's logprobs): on
+            # AMX tiles in bfloat16 rather than float32 tiles (~4x faster at 64 rows; the
+            # head's rows up to Q8_MAX_ROWS keep their two int8 levels)
+            x = x.to(torch.float32).contiguous()
+            y, rest = _amx_product(lib, layer.weight_groups, x, layer.out_features)
+            if rest:
+                y = _float_product(lib, rest, x, layer.out_features, DIRECT_MAX_ROWS, y)
+        elif self.q8_activations:  # float32 rows take the batched kernel at any count
             y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(x.shape[0]),
                             float_direct_rows=0, int8_levels=self.int8_levels,
                             int8_prompt=self.int8_levels == 1)
@@ -496,16 +510,9 @@ def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
     AMX_MIN_ROWS rows, where the CPU has AMX-BF16, the same groups take the AMX kernel
     instead (x and the weights in bfloat16, amx_gemm.c)."""
     m, k = x.shape
-    y = torch.empty(m, n_out, dtype=torch.float32)
     if m >= AMX_MIN_ROWS and lib.pg_amx_ready():
-        rest = []
-        for g in groups:
-            if not lib.pg_i8gemm_supported(g.qtype):
-                rest.append(g)
-            elif lib.pg_gemm_amx(g.qtype, g.ptr, g.row_bytes, g.rows, k, x.data_ptr(), k, m,
-                                 y.data_ptr() + 4 * g.row_start, n_out):
-                raise RuntimeError(f"GGUF AMX kernel failed for type {g.qtype}")
-        return y, rest
+        return _amx_product(lib, groups, x, n_out)
+    y = torch.empty(m, n_out, dtype=torch.float32)
     qx, dx, sx = _quantize_q8(lib, x)
     rest = []
     for g in groups:
@@ -514,6 +521,22 @@ def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
         elif lib.pg_gemm_i8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
                             sx.data_ptr(), m, y.data_ptr() + 4 * g.row_start, n_out):
             raise RuntimeError(f"GGUF int8 GEMM failed for type {g.qtype}")
+    return y, rest
+
+
+def _amx_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
+                 n_out: int) -> tuple[torch.Tensor, list[WeightGroup]]:
+    """x @ W.T on AMX tiles in bfloat16 (kernels/amx_gemm.c) for the groups it takes, into
+    their columns of a new result; returns it and the groups left for float32."""
+    m, k = x.shape
+    y = torch.empty(m, n_out, dtype=torch.float32)
+    rest = []
+    for g in groups:
+        if not lib.pg_i8gemm_supported(g.qtype):
+            rest.append(g)
+        elif lib.pg_gemm_amx(g.qtype, g.ptr, g.row_bytes, g.rows, k, x.data_ptr(), k, m,
+                             y.data_ptr() + 4 * g.row_start, n_out):
+            raise RuntimeError(f"GGUF AMX kernel failed for type {g.qtype}")
     return y, rest
 
 
