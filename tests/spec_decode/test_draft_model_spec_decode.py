@@ -20,6 +20,8 @@ import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.spec_decode.draft_model import _common_prefix
+from tests.spec_decode.test_ngram_spec_decode import _assert_empty as _assert_target_empty
+from tests.spec_decode.test_ngram_spec_decode import _core, _engine, _ids
 
 PROMPTS = [
     "Repeat the text exactly.\n\nText: We hold these truths to be self-evident, that all men are "
@@ -35,29 +37,12 @@ def _spec(draft: str, k: int = 3) -> dict:
     return {"model": draft, "num_speculative_tokens": k}  # method inferred: draft_model
 
 
-def _engine(model: str | None, spec: dict | None, **kwargs) -> LLM:
-    args = {"multiprocess_mode": False, "max_num_seqs": 8, **kwargs}
-    return LLM(model, speculative_config=spec, **args) if model else LLM(speculative_config=spec, **args)
-
-
-def _core(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core
-
-
-def _ids(outputs) -> list[list[int]]:
-    return [list(c.token_ids) for o in outputs for c in o.outputs]
-
-
 def _assert_empty(llm: LLM) -> None:
-    core = _core(llm)
-    sched = core.scheduler
-    assert not sched.has_unfinished_requests()
-    kv = sched.kv_cache_manager
-    assert kv.req_to_blocks == {}
-    assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
-    if core.drafter is not None:
-        assert core.drafter.num_used_blocks == 0
-        assert len(core.drafter._free_blocks) == core.drafter.num_blocks - 1
+    _assert_target_empty(llm)
+    drafter = _core(llm).drafter
+    if drafter is not None:
+        assert drafter.num_used_blocks == 0
+        assert len(drafter._free_blocks) == drafter.num_blocks - 1
 
 
 @pytest.fixture(autouse=True)

@@ -75,6 +75,32 @@ def _single_engine_texts(model: str) -> list[str]:
 def _success(srv: ServerProcess, rank: int) -> float:
     return srv.metric(f'pagellm:request_success_total{{engine="{rank}",finished_reason="length"')
 
+def _kill_rank_1_under_load(srv: ServerProcess, pid: int, cause: str) -> None:
+    """Four 1500-token streams over two ranks, then SIGKILL of `pid` (rank 1's core): rank
+    1's two streams end with the 503 event naming `cause` within 2 s of the kill, rank 0's
+    two finish."""
+
+    async def load_and_kill() -> tuple[list[dict], float]:
+        async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
+            body = {**BODY, "max_tokens": 1500}  # still running at the kill
+            streams = [asyncio.create_task(_stream(client, body)) for _ in range(4)]
+            await asyncio.to_thread(srv.wait_running, 4)
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*streams), killed_at
+
+    results, killed_at = asyncio.run(load_and_kill())
+    failed = [r for r in results if r["error"] is not None]
+    completed = [r for r in results if r["error"] is None]
+    assert len(failed) == 2 and len(completed) == 2  # rank 1's two fail, rank 0's finish
+    assert all(r["tokens"] == 1500 and r["done"] for r in completed)
+    for r in failed:
+        assert r["done"] and r["error"]["code"] == 503
+        assert r["error"]["message"] == (f"The engine core serving this request died ({cause}) and is "
+                                         "restarting; retry the request.")
+        assert r["error_at"] - killed_at < 2
+
+
 
 @pytest.fixture(autouse=True)
 def one_thread_per_core(monkeypatch) -> None:
@@ -104,25 +130,7 @@ def test_head_and_headless_node_serve_both_ranks_and_a_killed_remote_core_comes_
         assert (_success(head, 0), _success(head, 1)) == (2, 2)
         assert texts == _single_engine_texts(model)
 
-        async def load_and_kill() -> tuple[list[dict], float]:
-            async with httpx.AsyncClient(base_url=head.url, headers=_auth(head), timeout=120) as client:
-                body = {**BODY, "max_tokens": 1500}  # still running at the kill
-                streams = [asyncio.create_task(_stream(client, body)) for _ in range(4)]
-                await asyncio.to_thread(head.wait_running, 4)
-                killed_at = time.monotonic()
-                os.kill(old_remote[1], signal.SIGKILL)
-                return await asyncio.gather(*streams), killed_at
-
-        results, killed_at = asyncio.run(load_and_kill())
-        failed = [r for r in results if r["error"] is not None]
-        completed = [r for r in results if r["error"] is None]
-        assert len(failed) == 2 and len(completed) == 2  # rank 1's two fail, rank 0's finish
-        assert all(r["tokens"] == 1500 and r["done"] for r in completed)
-        for r in failed:
-            assert r["done"] and r["error"]["code"] == 503
-            assert r["error"]["message"] == ("The engine core serving this request died (lost: its connection "
-                                             "closed) and is restarting; retry the request.")
-            assert r["error_at"] - killed_at < 2
+        _kill_rank_1_under_load(head, old_remote[1], "lost: its connection closed")
         assert _success(head, 0) == 4 and _success(head, 1) == 2
 
         _wait_healthy(head, within=30)  # the node started a new core, which handshook again

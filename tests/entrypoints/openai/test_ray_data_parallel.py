@@ -10,7 +10,6 @@ import asyncio
 import importlib.util
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,8 +20,13 @@ import psutil
 import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess
-from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _wait_healthy
-from tests.entrypoints.openai.test_multi_node import PROMPTS, _single_engine_texts, _success
+from tests.entrypoints.openai.test_engine_restart import _auth, _wait_healthy
+from tests.entrypoints.openai.test_multi_node import (
+    PROMPTS,
+    _kill_rank_1_under_load,
+    _single_engine_texts,
+    _success,
+)
 from tests.utils import import_benchmark
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -94,25 +98,7 @@ def test_ray_backend_places_a_core_on_each_raylet_and_a_killed_actor_comes_back(
         assert (_success(srv, 0), _success(srv, 1)) == (2, 2)
         assert texts == _single_engine_texts(model)  # the mp backend's engine-core process
 
-        async def load_and_kill() -> tuple[list[dict], float]:
-            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
-                body = {**BODY, "max_tokens": 1500}  # still running at the kill
-                streams = [asyncio.create_task(_stream(client, body)) for _ in range(4)]
-                await asyncio.to_thread(srv.wait_running, 4)
-                killed_at = time.monotonic()
-                os.kill(old_pid, signal.SIGKILL)  # rank 1's actor process
-                return await asyncio.gather(*streams), killed_at
-
-        results, killed_at = asyncio.run(load_and_kill())
-        failed = [r for r in results if r["error"] is not None]
-        completed = [r for r in results if r["error"] is None]
-        assert len(failed) == 2 and len(completed) == 2  # rank 1's two fail, rank 0's finish
-        assert all(r["tokens"] == 1500 and r["done"] for r in completed)
-        for r in failed:
-            assert r["done"] and r["error"]["code"] == 503
-            assert r["error"]["message"] == ("The engine core serving this request died (its Ray actor died "
-                                             "(its process or node died)) and is restarting; retry the request.")
-            assert r["error_at"] - killed_at < 2
+        _kill_rank_1_under_load(srv, old_pid, "its Ray actor died (its process or node died)")  # rank 1's actor
         assert _success(srv, 0) == 4 and _success(srv, 1) == 2
 
         _wait_healthy(srv, within=30)  # a new actor for rank 1 handshook
