@@ -191,6 +191,42 @@ static inline __attribute__((always_inline)) void softmax_rows(const int G, floa
     }
 }
 
+/* The task after this one on the same thread (n == 0: none): its blocks are fetched into
+ * L2 while this task computes, spread over this task's K blocks, so the loads that follow
+ * find them there rather than waiting on memory one block at a time. */
+typedef struct {
+    const int64_t *row; /* the next request's block row */
+    int64_t kvh, j0, n; /* its KV head, first block and block count */
+} next_task;
+
+/* The lines of the next task's K and V blocks that go with blocks [rel, rel + step) of
+ * this task's `cur` (the same share of the next task's), as up to 8 block offsets in
+ * `offs`; returns how many. */
+static inline __attribute__((always_inline)) int next_blocks(const next_task *nx, int64_t rel,
+                                                             int64_t step, int64_t cur,
+                                                             int64_t NB, int64_t bytes,
+                                                             int64_t *offs) {
+    if (nx->n == 0) return 0;
+    const int64_t from = rel * nx->n / cur;
+    int64_t to = (rel + step) * nx->n / cur;
+    if (to > nx->n) to = nx->n;
+    if (to > from + 8) to = from + 8;
+    int m = 0;
+    for (int64_t jj = from; jj < to; jj++) offs[m++] = (nx->kvh * NB + nx->row[nx->j0 + jj]) * bytes;
+    return m;
+}
+
+/* Line `i` of the `m` next blocks' K and V (each `lines` cache lines), spread over the d
+ * loop: a prefetch or two per iteration rather than a burst that stalls on fill buffers. */
+static inline __attribute__((always_inline)) void prefetch_line(const char *kc, const char *vc,
+                                                                const int64_t *offs, int m,
+                                                                int64_t lines, int64_t i) {
+    if (i >= m * lines) return;
+    const int64_t off = offs[i / lines] + (i % lines) * 64;
+    _mm_prefetch(kc + off, _MM_HINT_T1);
+    _mm_prefetch(vc + off, _MM_HINT_T1);
+}
+
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
  * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)].
  * cap > 0: scores are capped (soft_cap8) before the softmax. */
@@ -198,7 +234,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     const int G, const int kt, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh,
     int64_t D, const void *k_store, const void *v_store, int64_t NB, const int64_t *row,
     int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
-    int64_t H) {
+    int64_t H, const next_task *nx) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
     const int64_t es = kv_elem_bytes(kt);
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
@@ -211,7 +247,11 @@ static inline __attribute__((always_inline)) void decode_heads(
         const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
         __m256 a[4][2];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+        int64_t offs[8];
+        const int m = next_blocks(nx, j - j0, 1, j1 - j0, NB, D * 16 * es, offs);
+        const int64_t lines = D * 16 * es / 64, per = (m * lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
+            for (int64_t u = 0; u < per; u++) prefetch_line(kc, vc, offs, m, lines, d * per + u);
             if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
             __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
             for (int g = 0; g < G; g++) {
@@ -263,7 +303,7 @@ static inline __attribute__((always_inline)) void decode_heads(
 #define DECODE_HEADS(heads_fn, n, kv)                                                          \
     case n:                                                                                    \
         heads_fn(n, kv, q, ldq, b, h0, kvh, D, k_store, v_store, NB, row, lo[b], hi[b], scale, \
-                 cap, sc, stride, out, H);                                                     \
+                 cap, sc, stride, out, H, &nx);                                                \
         break;
 #define DECODE_KV_TYPE(heads_fn, kv)                                                           \
     case kv:                                                                                   \
@@ -279,6 +319,16 @@ static inline __attribute__((always_inline)) void decode_heads(
         const int64_t left = kvh * group + group - h0;                                         \
         const int G = (int)(left < run ? left : run);                                          \
         const int64_t *row = table + b * table_stride;                                         \
+        next_task nx = {0};                                                                    \
+        if (t + 1 < t1) { /* a task on other data: fetch it while this one computes */        \
+            const int64_t nb = (t + 1) / (KVH * runs), nkvh = (t + 1) / runs % KVH;            \
+            if (nb != b || nkvh != kvh) {                                                      \
+                nx.row = table + nb * table_stride;                                            \
+                nx.kvh = nkvh;                                                                 \
+                nx.j0 = lo[nb] / 16;                                                           \
+                nx.n = (hi[nb] + 15) / 16 - nx.j0;                                             \
+            }                                                                                  \
+        }                                                                                      \
         switch (kt) {                                                                          \
             DECODE_KV_TYPE(heads_fn, PG_KV_F32)                                                \
             DECODE_KV_TYPE(heads_fn, PG_KV_F16)                                                \
@@ -305,24 +355,47 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
     const int G, const int kt, const float *q, int64_t ldq, int64_t b, int64_t h0, int64_t kvh,
     int64_t D, const void *k_store, const void *v_store, int64_t NB, const int64_t *row,
     int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
-    int64_t H) {
+    int64_t H, const next_task *nx) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
     const int64_t es = kv_elem_bytes(kt);
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
     float qs[4][256];
     for (int g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
-    for (int64_t j = j0; j < j1; j++) {
+    /* two K blocks at a time: twice the independent chains (each score's chain over d is
+     * unchanged); the next blocks' keys and the next task's keys and values are fetched
+     * while these compute */
+    const int64_t line = 64 / es; /* elements per cache line */
+    for (int64_t j = j0; j < j1; j += 2) {
+        const int two = j + 1 < j1;
         const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
-        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
-        __m512 a[4];
-        for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+        const int64_t kb1 = two ? ((kvh * NB + row[j + 1]) * D) * 16 : kb;
+        const int64_t jn = j + 2 < j1 ? j + 2 : j, jn1 = j + 3 < j1 ? j + 3 : jn;
+        const char *kn = kc + ((kvh * NB + row[jn]) * D) * 16 * es;
+        const char *kn1 = kc + ((kvh * NB + row[jn1]) * D) * 16 * es;
+        __m512 a[4], c[4];
+        for (int g = 0; g < G; g++) a[g] = c[g] = _mm512_setzero_ps();
+        int64_t offs[8];
+        const int m = next_blocks(nx, j - j0, 2, j1 - j0, NB, D * 16 * es, offs);
+        const int64_t lines = D * 16 * es / 64, per = (m * lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
-            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            for (int64_t u = 0; u < per; u++) prefetch_line(kc, vc, offs, m, lines, d * per + u);
+            if ((d * 16) % line == 0) {
+                _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+                _mm_prefetch(kn1 + d * 16 * es, _MM_HINT_T0);
+            }
             const __m512 k = kv_load16(k_store, kb + d * 16, kt);
-            for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g][d]), k, a[g]);
+            const __m512 k1 = kv_load16(k_store, kb1 + d * 16, kt);
+            for (int g = 0; g < G; g++) {
+                const __m512 qd = _mm512_set1_ps(qs[g][d]);
+                a[g] = _mm512_fmadd_ps(qd, k, a[g]);
+                c[g] = _mm512_fmadd_ps(qd, k1, c[g]);
+            }
         }
-        for (int g = 0; g < G; g++) _mm512_storeu_ps(sc + g * stride + (j - j0) * 16, a[g]);
+        for (int g = 0; g < G; g++) {
+            _mm512_storeu_ps(sc + g * stride + (j - j0) * 16, a[g]);
+            if (two) _mm512_storeu_ps(sc + g * stride + (j + 1 - j0) * 16, c[g]);
+        }
     }
     const int64_t n = hi - lo, off = lo - j0 * 16;
     softmax_rows(G, sc, stride, off, n, cap);
