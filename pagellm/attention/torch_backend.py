@@ -126,6 +126,19 @@ class RowAttention:
 
 
 @dataclass
+class PromptRows:
+    """The step's prompt chunks for the C prompt attention (pg_paged_prefill): chunk c's
+    rows [row0[c], row1[c]) attend through block row table[c], its first row seeing
+    first_hi[c] slots (its cached prefix and itself), each later row one more."""
+
+    row0: torch.Tensor  # [C] int64
+    row1: torch.Tensor  # [C] int64
+    first_hi: torch.Tensor  # [C] int64
+    table: torch.Tensor  # [C, max_blocks] int64
+    window: int  # 0: none
+
+
+@dataclass
 class TorchAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens]
@@ -138,6 +151,8 @@ class TorchAttentionMetadata:
     rows: RowAttention | None = None
     """Every row as its own decode (`RowAttention`), made for steps with a prompt chunk
     and at most `ROW_ATTENTION_MAX_ROWS` rows."""
+    prompt: PromptRows | None = None
+    """The prompt chunks as the C prompt attention takes them (None without chunks)."""
 
     @property
     def decode_rows(self) -> slice | torch.Tensor | None:
@@ -183,6 +198,18 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
             rows=(self._build_rows(common)
                   if prefill_reqs and common.num_actual_tokens <= ROW_ATTENTION_MAX_ROWS
                   else None),
+            prompt=self._build_prompt(common, prefill_reqs) if prefill_reqs else None,
+        )
+
+    def _build_prompt(self, common: CommonAttentionMetadata, reqs: list[int]) -> PromptRows:
+        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        idx = torch.tensor(reqs, dtype=torch.long)
+        return PromptRows(
+            row0=torch.tensor([qsl[i] for i in reqs], dtype=torch.long),
+            row1=torch.tensor([qsl[i + 1] for i in reqs], dtype=torch.long),
+            first_hi=torch.tensor([seq_lens[i] - (qsl[i + 1] - qsl[i]) + 1 for i in reqs], dtype=torch.long),
+            table=common.block_table.index_select(0, idx.to(common.block_table.device)).contiguous(),
+            window=self.sliding_window or 0,
         )
 
     def _build_rows(self, common: CommonAttentionMetadata) -> RowAttention:
@@ -315,6 +342,11 @@ class TorchAttentionImpl(AttentionImpl):
         if dec is not None:  # the decode rows of a mixed step: the same kernel as above
             out[dec.rows] = (self._decode_c(lib, query[dec.rows], k_store, v_store, dec)
                              if c_decode else torch_decode(query, k_store, v_store, dec))
+        prompt = metadata.prompt
+        if (c_decode and prompt is not None and out.is_contiguous() and k_store.shape[-1] == 16
+                and lib.pg_paged_prefill_ready(self.head_dim)):
+            self._prefill_c(lib, query, k_store, v_store, prompt, out)
+            return out
         for chunk in metadata.prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, k_store, v_store, chunk
@@ -329,6 +361,23 @@ class TorchAttentionImpl(AttentionImpl):
         if cached is None or cached[0] is not kv_cache[0]:
             cached = self._store = (kv_cache[0], *_storage(*kv_cache))
         return cached[1], cached[2]
+
+    def _prefill_c(self, lib: Any, query: torch.Tensor, k_store: torch.Tensor,
+                   v_store: torch.Tensor, prompt: PromptRows, out: torch.Tensor) -> None:
+        """Every prompt chunk of the step in one C call (pg_paged_prefill), from the cache
+        the chunks' K/V were just written to: several rows of a chunk share each K and V
+        load, and each row gets the numbers the decode kernel would give it alone (the
+        same chains of operations), where SDPA sums in another order."""
+        kvh, nb, d, _ = k_store.shape
+        rc = lib.pg_paged_prefill(
+            query.data_ptr(), query.stride(0), prompt.row0.shape[0], prompt.row0.data_ptr(),
+            prompt.row1.data_ptr(), prompt.first_hi.data_ptr(), self.num_heads, kvh, d,
+            KV_TYPE_CODES[k_store.dtype], k_store.data_ptr(), v_store.data_ptr(), nb,
+            prompt.table.data_ptr(), prompt.table.stride(0), prompt.window, self.scale,
+            self.logits_soft_cap or 0.0, out.data_ptr(),
+        )
+        if rc != 0:
+            raise MemoryError("pg_paged_prefill could not allocate its scratch")
 
     def _decode_c(
         self, lib: Any, query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,

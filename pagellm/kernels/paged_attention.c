@@ -381,8 +381,8 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_line(kc, vc, offs, m, lines, d * per + u);
             if ((d * 16) % line == 0) {
-                _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-                _mm_prefetch(kn1 + d * 16 * es, _MM_HINT_T0);
+                (void)(kn + d * 16 * es);
+                (void)(kn1 + d * 16 * es);
             }
             const __m512 k = kv_load16(k_store, kb + d * 16, kt);
             const __m512 k1 = kv_load16(k_store, kb1 + d * 16, kt);
@@ -406,7 +406,7 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
             const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
             if (d0 == 0 && i / 16 + 1 < j1) {
                 const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
-                for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+                for (int64_t c = 0; c < D * es; c += 64) (void)vn;
             }
             const __m512 v0 = kv_load16(v_store, vr, kt), v1 = kv_load16(v_store, vr + 16, kt);
             for (int g = 0; g < G; g++) {
@@ -431,6 +431,105 @@ ATTN512 static void tasks512(int64_t t0, int64_t t1, int64_t KVH, int64_t runs, 
                              const int64_t *hi, float scale, float cap, float *out, float *sc,
                              int64_t stride) {
     DECODE_TASKS(decode_heads512);
+}
+
+/* Prompt rows, several at a time (pg_paged_prefill): NQ query vectors (rows t0 .. of one
+ * chunk, heads h0 .. h0 + nh - 1 of each, vector i = row i / nh, head i % nh), all reading
+ * KV head kvh through the chunk's block row; vector i sees slots [lo[i], hi[i]). Each K
+ * block is loaded once for all NQ vectors and each V row once per 8 of them. Every score
+ * is decode_heads512's chain over d, every softmax its code over the same slots, and every
+ * output its chain over slots (slots outside a vector's range weigh +0, which leaves a
+ * float32 sum as it is), so a prompt row gets the bits it would get decoded alone. */
+ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
+    const int NQ, const int kt, const float *q, int64_t ldq, int64_t t0, int64_t nh, int64_t h0,
+    int64_t kvh, int64_t D, const void *k_store, const void *v_store, int64_t NB,
+    const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
+    int64_t stride, float *out, int64_t H) {
+    const char *kc = (const char *)k_store, *vc = (const char *)v_store;
+    const int64_t es = kv_elem_bytes(kt), line = 64 / es;
+    int64_t first = lo[0], last = hi[0];
+    for (int i = 1; i < NQ; i++) {
+        first = lo[i] < first ? lo[i] : first;
+        last = hi[i] > last ? hi[i] : last;
+    }
+    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
+    float qs[12][256];
+    for (int i = 0; i < NQ; i++)
+        for (int64_t d = 0; d < D; d++) qs[i][d] = q[(t0 + i / nh) * ldq + (h0 + i % nh) * D + d] * scale;
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
+        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
+        __m512 a[12];
+        for (int i = 0; i < NQ; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            if ((d * 16) % line == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            const __m512 k = kv_load16(k_store, kb + d * 16, kt);
+            for (int i = 0; i < NQ; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, a[i]);
+        }
+        for (int i = 0; i < NQ; i++) _mm512_storeu_ps(sc + i * stride + (j - j0) * 16, a[i]);
+    }
+    const int64_t base = first - j0 * 16, end = last - j0 * 16;
+    for (int i = 0; i < NQ; i++) {
+        float *p = sc + i * stride;
+        const int64_t off = lo[i] - j0 * 16, n = hi[i] - lo[i];
+        softmax_rows(1, p, stride, off, n, cap);
+        for (int64_t x = base; x < off; x++) p[x] = 0.0f;
+        for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        for (int c0 = 0; c0 < NQ; c0 += 8) {
+            const int nc = NQ - c0 < 8 ? NQ - c0 : 8;
+            __m512 acc[8][2];
+            for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+            for (int64_t i = first; i < last; i++) {
+                const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+                if (d0 == 0 && c0 == 0 && i / 16 + 1 < j1) {
+                    const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
+                    for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+                }
+                const __m512 v0 = kv_load16(v_store, vr, kt), v1 = kv_load16(v_store, vr + 16, kt);
+                for (int c = 0; c < nc; c++) {
+                    const __m512 pi = _mm512_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+                    acc[c][0] = _mm512_fmadd_ps(pi, v0, acc[c][0]);
+                    acc[c][1] = _mm512_fmadd_ps(pi, v1, acc[c][1]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+                const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
+                float *o = out + (t * H + h) * D + d0;
+                _mm512_storeu_ps(o, acc[c][0]);
+                _mm512_storeu_ps(o + 16, acc[c][1]);
+            }
+        }
+    }
+}
+
+#define ROWS_CASE(n, kv)                                                                       \
+    case n:                                                                                    \
+        rows_heads512(n, kv, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi,    \
+                      scale, cap, sc, stride, out, H);                                         \
+        break;
+#define ROWS_KV(kv)                                                                            \
+    case kv:                                                                                   \
+        switch (nq) {                                                                          \
+            ROWS_CASE(1, kv) ROWS_CASE(2, kv) ROWS_CASE(3, kv) ROWS_CASE(4, kv)                \
+            ROWS_CASE(5, kv) ROWS_CASE(6, kv) ROWS_CASE(7, kv) ROWS_CASE(8, kv)                \
+            ROWS_CASE(9, kv) ROWS_CASE(10, kv) ROWS_CASE(11, kv) ROWS_CASE(12, kv)             \
+        }                                                                                      \
+        break;
+
+/* One task of pg_paged_prefill: nq = rows x nh query vectors (see rows_heads512). */
+ATTN512 static void rows_task512(int nq, int kt, const float *q, int64_t ldq, int64_t t0,
+                                 int64_t nh, int64_t h0, int64_t kvh, int64_t D,
+                                 const void *k_store, const void *v_store, int64_t NB,
+                                 const int64_t *row, const int64_t *lo, const int64_t *hi,
+                                 float scale, float cap, float *sc, int64_t stride, float *out,
+                                 int64_t H) {
+    switch (kt) {
+        ROWS_KV(PG_KV_F32)
+        ROWS_KV(PG_KV_F16)
+        ROWS_KV(PG_KV_BF16)
+    }
 }
 #endif
 
@@ -603,4 +702,102 @@ void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
                  int64_t bs, const int64_t *slots) {
     PG_TEAM_RUN(T * KVH * D >= 65536, pg_write_kv_part(key, ldk, value, ldv, T, KVH, D, kv_type,
                                                        k_store, v_store, NB, bs, slots, &team));
+}
+
+/* Query vectors one prompt-attention task holds at most (its score accumulators). */
+enum { PREFILL_VECTORS = 12 };
+
+/* Whether pg_paged_prefill runs here for heads of D dims (block size 16). */
+int pg_paged_prefill_ready(int64_t D) {
+#ifdef PG_X86_DISPATCH
+    return attn512() && D % 32 == 0 && D <= 256;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+/* Prompt chunks' attention over the paged cache, several rows of a chunk per task sharing
+ * each K and V load (the chunks' K/V already written). Chunk c holds rows [row0[c],
+ * row1[c]) of q / out ([T, H, D] float32, q rows ldq apart); its row r sees the slots
+ * [lo, first_hi[c] + r) of its block row table[c * table_stride ...], lo = 0, or with a
+ * window W the last W of them. Each row's numbers are those pg_paged_decode gives it alone.
+ * Block size 16. Returns 0; -1 where pg_paged_prefill_ready(D) is false or memory ran out. */
+int pg_paged_prefill(const float *q, int64_t ldq, int64_t C, const int64_t *row0,
+                     const int64_t *row1, const int64_t *first_hi, int64_t H, int64_t KVH,
+                     int64_t D, int kv_type, const void *k_store, const void *v_store, int64_t NB, const int64_t *table,
+                     int64_t table_stride, int64_t window, float scale, float cap, float *out) {
+#ifdef PG_X86_DISPATCH
+    if (!pg_paged_prefill_ready(D) || C <= 0) return -1;
+    const int64_t group = H / KVH;
+    const int64_t runs = (group + PREFILL_VECTORS - 1) / PREFILL_VECTORS;
+    const int64_t nh = (group + runs - 1) / runs; /* heads per task (the last run may hold fewer) */
+    const int64_t R = PREFILL_VECTORS / nh; /* rows per task */
+    /* tasks (chunk, row block, KV head, head run), weighed by the slots they read */
+    int64_t ntasks = 0, max_slots = 0;
+    for (int64_t c = 0; c < C; c++) {
+        ntasks += (row1[c] - row0[c] + R - 1) / R * KVH * runs;
+        const int64_t span = first_hi[c] + row1[c] - row0[c] - 1;
+        max_slots = span > max_slots ? span : max_slots;
+    }
+    int64_t *task = malloc((size_t)(ntasks > 0 ? ntasks : 1) * 4 * sizeof(int64_t));
+    int64_t *cum = malloc((size_t)(ntasks + 1) * sizeof(int64_t));
+    if (task == NULL || cum == NULL) {
+        free(task);
+        free(cum);
+        return -1;
+    }
+    int64_t n = 0;
+    cum[0] = 0;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t r = row0[c]; r < row1[c]; r += R)
+            for (int64_t kvh = 0; kvh < KVH; kvh++)
+                for (int64_t run = 0; run < runs; run++) {
+                    int64_t *tk = task + 4 * n;
+                    tk[0] = c, tk[1] = r, tk[2] = kvh, tk[3] = run;
+                    const int64_t last = r + R < row1[c] ? r + R : row1[c];
+                    int64_t w = first_hi[c] + (last - 1 - row0[c]);
+                    if (window > 0 && w > window) w = window + (last - r);
+                    cum[n + 1] = cum[n] + w + 16;
+                    n++;
+                }
+    const int64_t stride = max_slots + 32; /* whole blocks on both ends */
+    atomic_int failed = 0;
+    PG_TEAM_RUN(cum[ntasks] * D * group >= 32768, {
+        int64_t a = 0, b = ntasks;
+        if (team.nth > 1) { /* the tasks whose weight starts in this thread's share */
+            const int64_t from = cum[ntasks] * team.ith / team.nth;
+            const int64_t to = cum[ntasks] * (team.ith + 1) / team.nth;
+            while (a < ntasks && cum[a] < from) a++;
+            b = a;
+            while (b < ntasks && cum[b] < to) b++;
+        }
+        float *sc = a < b ? malloc((size_t)PREFILL_VECTORS * stride * sizeof(float)) : NULL;
+        if (a < b && sc == NULL) atomic_store(&failed, 1);
+        for (int64_t i = a; i < b && sc != NULL; i++) {
+            const int64_t *tk = task + 4 * i;
+            const int64_t c = tk[0], r = tk[1], kvh = tk[2], run = tk[3];
+            const int64_t rows = r + R < row1[c] ? R : row1[c] - r;
+            const int64_t h0 = kvh * group + run * nh;
+            const int64_t heads = h0 + nh <= (kvh + 1) * group ? nh : (kvh + 1) * group - h0;
+            int64_t lo[PREFILL_VECTORS], hi[PREFILL_VECTORS];
+            for (int64_t v = 0; v < rows * heads; v++) {
+                hi[v] = first_hi[c] + (r + v / heads - row0[c]);
+                lo[v] = window > 0 && hi[v] > window ? hi[v] - window : 0;
+            }
+            rows_task512((int)(rows * heads), kv_type, q, ldq, r, heads, h0, kvh, D, k_store,
+                         v_store, NB, table + c * table_stride, lo, hi, scale, cap, sc, stride,
+                         out, H);
+        }
+        free(sc);
+    });
+    free(task);
+    free(cum);
+    return failed ? -1 : 0;
+#else
+    (void)q, (void)ldq, (void)C, (void)row0, (void)row1, (void)first_hi, (void)H, (void)KVH, (void)D,
+        (void)kv_type, (void)k_store, (void)v_store, (void)NB, (void)table, (void)table_stride,
+        (void)window, (void)scale, (void)cap, (void)out;
+    return -1;
+#endif
 }

@@ -61,7 +61,7 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
         block_size=BS,
     )
     meta = builder.build(common)
-    meta.prefills = []  # only the cache write of this "step" is wanted
+    meta.prefills, meta.prompt = [], None  # only the cache write of this "step" is wanted
     impl.forward(torch.zeros(len(ctx_slots), H, D), key, value, (k_cache, v_cache), meta)
     # the decode step: one query per request, its key/value already written above
     b = len(seq_lens)

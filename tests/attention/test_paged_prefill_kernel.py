@@ -1,0 +1,90 @@
+"""The prompt attention kernel (pg_paged_prefill, kernels/paged_attention.c): several rows
+of a prompt chunk per task, sharing each K and V load. Every row must give the bits the
+decode kernel (pg_paged_decode) gives it as a one-token decode of its own, for every cache
+type, head grouping (up to and past one task's 12 query vectors), sliding window, score
+cap, a chunk with a cached prefix and chunks side by side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.attention.torch_backend import KV_TYPE_CODES
+from pagellm.kernels import load_kernels
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = load_kernels()
+    if lib is None:
+        pytest.skip("no C compiler: pagellm's kernels are not built")
+    if not lib.pg_paged_prefill_ready(64):
+        pytest.skip("pg_paged_prefill needs AVX-512 F/BW/VL/DQ, which this CPU lacks")
+    return lib
+
+
+def _case(lib, chunks: list[tuple[int, int]], h: int, kvh: int, d: int, dtype: torch.dtype,
+          window: int = 0, cap: float = 0.0, seed: int = 0) -> None:
+    """chunks: (cached prefix, rows) per chunk; rows of all chunks side by side, with one
+    unrelated row between chunks (a decode of the same step)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb = 64
+    k_store = torch.randn(kvh, nb, d, BS, generator=gen).to(dtype)
+    v_store = torch.randn(kvh, nb, BS, d, generator=gen).to(dtype)
+    ncols = max((p + r + BS - 1) // BS for p, r in chunks)
+    tables = torch.stack([torch.randperm(nb, generator=gen)[:ncols] for _ in chunks]).contiguous()
+    row0, row1, first_hi, t = [], [], [], 0
+    for prefix, rows in chunks:
+        t += 1  # a row of something else between chunks
+        row0.append(t)
+        row1.append(t + rows)
+        first_hi.append(prefix + 1)
+        t += rows
+    T = t + 1  # noqa: N806
+    q = torch.randn(T, h + 2 * kvh, d, generator=gen)[:, :h]  # strided, as split from qkv
+    out = torch.full((T, h, d), 7.0)
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    r0, r1, fh = i64(row0), i64(row1), i64(first_hi)
+    rc = lib.pg_paged_prefill(q.data_ptr(), q.stride(0), len(chunks), r0.data_ptr(), r1.data_ptr(),
+                              fh.data_ptr(), h, kvh, d, KV_TYPE_CODES[dtype], k_store.data_ptr(),
+                              v_store.data_ptr(), nb, tables.data_ptr(), tables.stride(0), window,
+                              d**-0.5, cap, out.data_ptr())
+    assert rc == 0
+    # each row alone through the decode kernel
+    rows = [(c, t) for c in range(len(chunks)) for t in range(row0[c], row1[c])]
+    table = torch.stack([tables[c] for c, _ in rows]).contiguous()
+    hi = i64([first_hi[c] + t - row0[c] for c, t in rows])
+    lo = (hi - window).clamp_(min=0) if window else torch.zeros_like(hi)
+    qr = torch.stack([q[t] for _, t in rows]).contiguous()
+    ref = torch.empty(len(rows), h, d)
+    rc = lib.pg_paged_decode(qr.data_ptr(), qr.stride(0), len(rows), h, kvh, d, KV_TYPE_CODES[dtype],
+                             k_store.data_ptr(), v_store.data_ptr(), nb, BS, table.data_ptr(),
+                             table.stride(0), lo.data_ptr(), hi.data_ptr(), int((hi - lo).max()),
+                             d**-0.5, cap, ref.data_ptr())
+    assert rc == 0
+    got = torch.stack([out[t] for _, t in rows])
+    assert torch.equal(got, ref), (got - ref).abs().max()
+    # rows outside the chunks are left alone
+    outside = [t for t in range(T) if not any(a <= t < b for a, b in zip(row0, row1))]
+    assert torch.equal(out[outside], torch.full((len(outside), h, d), 7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rows_match_the_decode_kernel_bit_for_bit(lib, dtype):
+    _case(lib, [(0, 37), (21, 50), (0, 1)], h=9, kvh=3, d=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("h,kvh", [(4, 4), (8, 2), (32, 8), (16, 1), (28, 2), (14, 2)])
+def test_head_groupings(lib, h, kvh):
+    """1, 4, 4, 16 (two runs of 8 heads, one row a task), 14 (runs of 7), 7 query heads a KV head."""
+    _case(lib, [(5, 29), (0, 40)], h=h, kvh=kvh, d=32, dtype=torch.float16, seed=1)
+
+
+def test_window_and_cap(lib):
+    _case(lib, [(30, 45), (0, 70)], h=6, kvh=2, d=64, dtype=torch.float16, window=24, cap=30.0, seed=2)
+
+
+def test_head_dim_128(lib):
+    _case(lib, [(100, 33)], h=8, kvh=2, d=128, dtype=torch.bfloat16, seed=3)
