@@ -173,6 +173,9 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_amx_supported.restype = ctypes.c_int
     lib.pg_gemm_amx.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64]
     lib.pg_gemm_amx.restype = ctypes.c_int
+    lib.pg_gemm_amx_gated.argtypes = [ctypes.c_int, ptr, i64, ctypes.c_int, ptr, i64, i64, i64,
+                                      ptr, i64, i64, ctypes.c_int, ptr, i64]
+    lib.pg_gemm_amx_gated.restype = ctypes.c_int
     lib.pg_amx_weights_bf16.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr]
     lib.pg_amx_weights_bf16.restype = ctypes.c_int
     lib.pg_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr, ptr, i64,

@@ -28,6 +28,7 @@
 
 int pg_i8_unpack_tile(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t r0,
                       int64_t G, uint8_t *tile, int *off);
+void pg_act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu);
 int64_t pg_gemm_i8_tile_bytes(int type, int64_t K);
 int pg_i8gemm_fast(void);
 
@@ -178,8 +179,7 @@ static AMX void panel_to_bf16(int type, const uint8_t *W, int64_t row_bytes, int
 
 /* Y[m, n0 .. n0 + n) for rows m in [m0, m0 + 32) below M: a panel's B tiles against the
  * 32-row strip of A from m0, summed over all of K in the tiles. */
-static AMX void strip_product(const uint8_t *panel, const uint16_t *A, int64_t M, int64_t K,
-                              int64_t m0, float *Y, int64_t ldy, int64_t n0, int64_t n) {
+static AMX void strip_tiles(const uint8_t *panel, const uint16_t *A, int64_t K, int64_t m0) {
     const int64_t G = K / 32;
     _tile_zero(0);
     _tile_zero(1);
@@ -200,6 +200,19 @@ static AMX void strip_product(const uint8_t *panel, const uint16_t *A, int64_t M
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
+}
+
+/* The four result tiles as a 32 x 32 block of floats. */
+static AMX void store_block(float *block) {
+    _tile_stored(0, block, 128);
+    _tile_stored(1, block + 16, 128);
+    _tile_stored(2, block + 512, 128);
+    _tile_stored(3, block + 528, 128);
+}
+
+static AMX void strip_product(const uint8_t *panel, const uint16_t *A, int64_t M, int64_t K,
+                              int64_t m0, float *Y, int64_t ldy, int64_t n0, int64_t n) {
+    strip_tiles(panel, A, K, m0);
     if (M - m0 >= 32 && n == 32) {
         float *y = Y + m0 * ldy + n0;
         _tile_stored(0, y, ldy * 4);
@@ -209,10 +222,7 @@ static AMX void strip_product(const uint8_t *panel, const uint16_t *A, int64_t M
         return;
     }
     float block[32 * 32];
-    _tile_stored(0, block, 128);
-    _tile_stored(1, block + 16, 128);
-    _tile_stored(2, block + 512, 128);
-    _tile_stored(3, block + 528, 128);
+    store_block(block);
     const int64_t rows = M - m0 < 32 ? M - m0 : 32;
     for (int64_t r = 0; r < rows; r++) memcpy(Y + (m0 + r) * ldy + n0, block + 32 * r, (size_t)n * 4);
 }
@@ -238,6 +248,48 @@ AMX void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t
             for (int64_t p = q0; p < q1; p++)
                 strip_product(scratch + (p - q0) * 64 * K, A, M, K, m0, Y, ldy, 32 * p,
                               N - 32 * p < 32 ? N - 32 * p : 32);
+    }
+    _tile_release();
+}
+
+/* Panels a thread dequantizes together in the gated product: a gate and an up panel each. */
+static inline int64_t gated_group(int64_t K) {
+    const int64_t p = panels_per_group(K) / 2;
+    return p < 1 ? 1 : p;
+}
+
+/* Thread ith's share of the 32-column panels of the gated product: Y[:, cols] =
+ * act(A @ Wg[cols].T) * (A @ Wu[cols].T), each 32 x 32 block of the gate and the up
+ * product taken from the tiles and combined by pg_act_mul_row (the unfused pass's
+ * arithmetic). scratch: pg_gemm_amx_gated_scratch bytes of the thread's own. */
+AMX void pg_gemm_amx_gated_part(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint8_t *Wu,
+                                int64_t rbu, int64_t I, int64_t K, const uint16_t *A, int64_t M,
+                                int act, float *Y, int64_t ldy, uint8_t *scratch,
+                                const pg_team *team) {
+    const int64_t panels = (I + 31) / 32;
+    int64_t p0, p1;
+    pg_share(panels, team, &p0, &p1);
+    if (p0 >= p1) return;
+    const int64_t group = gated_group(K), padded = (M + 31) / 32 * 32;
+    uint8_t *tile = scratch + 2 * group * 64 * K;
+    float gate[32 * 32], up[32 * 32];
+    configure_tiles();
+    for (int64_t q0 = p0; q0 < p1; q0 += group) {
+        const int64_t q1 = q0 + group < p1 ? q0 + group : p1;
+        for (int64_t p = q0; p < q1; p++) {
+            panel_to_bf16(tg, Wg, rbg, I, K, p, tile, scratch + 2 * (p - q0) * 64 * K);
+            panel_to_bf16(tu, Wu, rbu, I, K, p, tile, scratch + (2 * (p - q0) + 1) * 64 * K);
+        }
+        for (int64_t m0 = 0; m0 < padded; m0 += 32)
+            for (int64_t p = q0; p < q1; p++) {
+                strip_tiles(scratch + 2 * (p - q0) * 64 * K, A, K, m0);
+                store_block(gate);
+                strip_tiles(scratch + (2 * (p - q0) + 1) * 64 * K, A, K, m0);
+                store_block(up);
+                const int64_t rows = M - m0 < 32 ? M - m0 : 32, n = I - 32 * p < 32 ? I - 32 * p : 32;
+                for (int64_t r = 0; r < rows; r++)
+                    pg_act_mul_row(gate + 32 * r, up + 32 * r, Y + (m0 + r) * ldy + 32 * p, n, act);
+            }
     }
     _tile_release();
 }
@@ -271,6 +323,17 @@ void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, 
 void pg_bf16_rows_part(const float *X, int64_t ldx, int64_t M, int64_t K, uint16_t *A,
                        const pg_team *team) {
     (void)X, (void)ldx, (void)M, (void)K, (void)A, (void)team;
+}
+static inline int64_t gated_group(int64_t K) {
+    (void)K;
+    return 1;
+}
+void pg_gemm_amx_gated_part(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint8_t *Wu,
+                            int64_t rbu, int64_t I, int64_t K, const uint16_t *A, int64_t M,
+                            int act, float *Y, int64_t ldy, uint8_t *scratch,
+                            const pg_team *team) {
+    (void)tg, (void)Wg, (void)rbg, (void)tu, (void)Wu, (void)rbu, (void)I, (void)K, (void)A,
+        (void)M, (void)act, (void)Y, (void)ldy, (void)scratch, (void)team;
 }
 #endif
 
@@ -312,6 +375,46 @@ int pg_gemm_amx(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_
             failed = 1;
         else
             pg_gemm_amx_part(type, W, row_bytes, N, K, A, M, Y, ldy, scratch, &team);
+        free(scratch);
+    }
+    free(A);
+    return failed ? -1 : 0;
+}
+
+/* Bytes of a thread's scratch for pg_gemm_amx_gated_part. */
+int64_t pg_gemm_amx_gated_scratch(int tg, int tu, int64_t K) {
+    const int64_t tile_g = pg_gemm_i8_tile_bytes(tg, K), tile_u = pg_gemm_i8_tile_bytes(tu, K);
+    return 2 * gated_group(K) * 64 * K + ((tile_g > tile_u ? tile_g : tile_u) + 63) / 64 * 64;
+}
+
+/* Y[m, i] = act(sum_k X[m, k] Wg[i, k]) * sum_k X[m, k] Wu[i, k] for i < I (a gated MLP's
+ * gate and up products and its activation in one pass: no [M, 2I] result to write and
+ * read back); the products as pg_gemm_amx computes them, act 0 SiLU, 1 GELU's tanh form
+ * (pg_act_and_mul_part's numbers). Returns 0; -1 where pg_gemm_amx would refuse either
+ * weight or memory ran out. */
+int pg_gemm_amx_gated(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint8_t *Wu,
+                      int64_t rbu, int64_t I, int64_t K, const float *X, int64_t ldx, int64_t M,
+                      int act, float *Y, int64_t ldy) {
+    if (!pg_amx_supported(tg, K) || !pg_amx_supported(tu, K) || M <= 0 ||
+        ((pg_is_r16(tg) || pg_is_r16(tu)) && I % 16))
+        return -1;
+    uint16_t *A = aligned_alloc(64, (size_t)pg_amx_rows_bytes(M, K));
+    if (A == NULL) return -1;
+    const int64_t bytes = pg_gemm_amx_gated_scratch(tg, tu, K);
+    int failed = 0;
+    pg_barrier barrier = {0};
+    barrier.spin_ns = pg_team_spin_ns;
+#pragma omp parallel reduction(| : failed)
+    {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        pg_bf16_rows_part(X, ldx, M, K, A, &team);
+        pg_team_sync(&team);
+        uint8_t *scratch = aligned_alloc(64, (size_t)bytes);
+        if (scratch == NULL)
+            failed = 1;
+        else
+            pg_gemm_amx_gated_part(tg, Wg, rbg, tu, Wu, rbu, I, K, A, M, act, Y, ldy, scratch,
+                                   &team);
         free(scratch);
     }
     free(A);

@@ -121,8 +121,10 @@ static inline v8f gelu_tanh8(v8f g) {
 }
 
 /* o[i] = act(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
- * (memcpy of a constant 32 bytes compiles to one unaligned load or store). */
-static void act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu) {
+ * (memcpy of a constant 32 bytes compiles to one unaligned load or store). Each lane's
+ * arithmetic is its own, so a row cut in pieces gives the same numbers (the AMX gated
+ * product calls it on 32 columns at a time). */
+void pg_act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         v8f gv, uv;
@@ -146,7 +148,7 @@ void pg_act_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, int 
                          float *out, int64_t ldo, const pg_team *team) {
     int64_t t0, t1;
     pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, act);
+    for (int64_t t = t0; t < t1; t++) pg_act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, act);
 }
 
 void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,

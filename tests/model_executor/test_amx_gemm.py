@@ -125,3 +125,49 @@ def test_amx_switch_and_refusals(lib) -> None:
     assert lib.pg_amx_supported(int(gguf.GGMLQuantizationType.Q2_K), 256) == 0
     r16, w16, _ = _weights(lib, "Q8_0_R16", 32, 64, rng)
     assert lib.pg_gemm_amx(r16, w16.ctypes.data, w16.shape[1], 24, 64, x.data_ptr(), 64, 40, y.data_ptr(), 32) == -1
+
+
+@pytest.mark.parametrize("qtype,act", [("Q4_1_R16", 0), ("Q4_K_R4", 0), ("Q6_K", 1), ("Q8_0", 0)])
+def test_gated_product_is_the_products_then_the_activation(lib, qtype: str, act: int) -> None:
+    """pg_gemm_amx_gated (a gated MLP's gate and up products and act(gate) * up in one
+    pass) gives the bits of pg_gemm_amx on the gate|up rows followed by the C activation
+    pass (pg_silu_and_mul / pg_gelu_tanh_and_mul), for row counts around its 32-row blocks
+    and an intermediate size that is not a whole number of 32-column panels."""
+    rng = np.random.default_rng(11)
+    k, half = (512 if "_K" in qtype else 576), 80
+    t, w, _ = _weights(lib, qtype, 2 * half, k, rng)
+    gate_ptr, up_ptr = w.ctypes.data, w.ctypes.data + half * w.shape[1]
+    pass_fn = lib.pg_silu_and_mul if act == 0 else lib.pg_gelu_tanh_and_mul
+    for m in (32, 45, 64, 97):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        both = torch.empty(m, 2 * half)
+        assert lib.pg_gemm_amx(t, w.ctypes.data, w.shape[1], 2 * half, k, x.data_ptr(), k, m,
+                               both.data_ptr(), 2 * half) == 0
+        want = torch.empty(m, half)
+        pass_fn(both.data_ptr(), 2 * half, m, half, want.data_ptr(), half)
+        got = torch.full((m, half + 5), float("nan"))
+        assert lib.pg_gemm_amx_gated(t, gate_ptr, w.shape[1], t, up_ptr, w.shape[1], half, k,
+                                     x.data_ptr(), k, m, act, got.data_ptr(), half + 5) == 0
+        assert torch.equal(got[:, :half], want), m
+        assert torch.isnan(got[:, half:]).all()
+
+
+def test_gated_layer_matches_the_unfused_layer(lib) -> None:
+    """GGUFLinearMethod.apply_gated on a prompt chunk past BATCHED_MAX_ROWS: the bits of the
+    layer's product followed by SiluAndMul; a chunk too short for the int8 GEMM's rows
+    (float32 products) gets None, and forward_gated falls back to the unfused pair."""
+    from pagellm.model_executor.layers.activation import SiluAndMul
+
+    rng = np.random.default_rng(12)
+    k, half = 576, 96
+    t, w, _ = _weights(lib, "Q4_1_R16", 2 * half, k, rng)
+    method = gguf_method.GGUFLinearMethod(q8_activations=True)
+    layer = torch.nn.Module()
+    layer.weight_groups = [gguf_method.WeightGroup(t, w, 0, 2 * half)]
+    layer.out_features = 2 * half
+    act = SiluAndMul()
+    long_x = torch.from_numpy(rng.standard_normal((gguf_method.BATCHED_MAX_ROWS + 7, k)).astype(np.float32))
+    got = method.apply_gated(layer, long_x, act)
+    assert got is not None
+    assert torch.equal(got, act.forward(method.apply(layer, long_x)))
+    assert method.apply_gated(layer, long_x[:40], act) is None

@@ -18,6 +18,9 @@ class _GatedActivation(CustomOp):
     kernels built and the subclass has one), else the subclass's `forward_native`."""
 
     c_kernel = ""
+    c_act: int | None = None
+    """The C kernels' code for this activation (0 SiLU, 1 GELU's tanh form; None: none),
+    for products that apply it themselves (GGUFLinearMethod.apply_gated)."""
 
     def has_cpu_kernel(self) -> bool:
         return bool(self.c_kernel)
@@ -34,6 +37,7 @@ class _GatedActivation(CustomOp):
 
 class SiluAndMul(_GatedActivation):
     c_kernel = "pg_silu_and_mul"
+    c_act = 0
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
@@ -45,6 +49,7 @@ class GeluAndMul(_GatedActivation):
         self.approximate = approximate
         """torch's `approximate`: "tanh" (gelu_pytorch_tanh, with a C pass) or "none" (erf)."""
         self.c_kernel = "pg_gelu_tanh_and_mul" if approximate == "tanh" else ""
+        self.c_act = 1 if approximate == "tanh" else None
         super().__init__()
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -331,6 +331,15 @@ class Linear(nn.Module):
             return post_op.fn(self.forward(x))
         return fused(self, x, self.bias, post_op)
 
+    def forward_gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """act(gate) * up of this gate|up projection ([T, 2I] -> [T, I]), with `act` a
+        gated activation (layers/activation.py): applied inside the product where the
+        method can (GGUF on AMX tiles: no [T, 2I] result written and read back), else
+        act.forward(forward(x))."""
+        fused = getattr(self.quant_method, "apply_gated", None)
+        y = fused(self, x, act) if fused is not None and self.bias is None else None
+        return y if y is not None else act.forward(self.forward(x))
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"method={type(self.quant_method).__name__}")

@@ -152,7 +152,7 @@ class LlamaMLP(nn.Module):
                                 f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
+        return self.down_proj.forward(self.gate_up_proj.forward_gated(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

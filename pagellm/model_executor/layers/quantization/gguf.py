@@ -312,6 +312,26 @@ class GGUFLinearMethod(QuantizeMethodBase):
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor, act: nn.Module) -> torch.Tensor | None:
+        """act(gate) * up for a gate|up layer in one AMX pass (pg_gemm_amx_gated), where
+        `apply` would take the AMX kernel for every row (the products' numbers are the
+        same, and so are the activation's: the unfused C pass's code); None elsewhere."""
+        m, k = x.shape
+        code, half = getattr(act, "c_act", None), layer.out_features // 2
+        if (not self.q8_activations or self.int8_levels != 1 or code is None or act.kernels is None
+                or x.dtype != torch.float32 or m < AMX_MIN_ROWS or k % 32 or not int8_gemm_rows(m)
+                or int8_rows(m) is not None or not (lib := _kernels()).pg_amx_ready()):
+            return None
+        gate, up = _rows_view(layer.weight_groups, 0, half), _rows_view(layer.weight_groups, half, half)
+        if gate is None or up is None:
+            return None
+        x = x.contiguous()
+        y = torch.empty(m, half, dtype=torch.float32)
+        if lib.pg_gemm_amx_gated(gate[0], gate[1], gate[2], up[0], up[1], up[2], half, k,
+                                 x.data_ptr(), k, m, code, y.data_ptr(), half):
+            return None  # a type the AMX kernel does not take
+        return y
+
 
 Q4_K_TYPE = 12
 Q4_K_R4_TYPE = 112
@@ -417,6 +437,15 @@ def int8_gemm_rows(m: int) -> bool:
         return False
     rows = ctx.decode_rows
     return isinstance(rows, slice) and (rows.start, rows.stop) == (0, m) and m > Q8_MAX_ROWS
+
+
+def _rows_view(groups: list[WeightGroup], start: int, rows: int) -> tuple[int, int, int] | None:
+    """(type, pointer, row bytes) of output rows [start, start + rows) where one group
+    holds them from a whole bundle of its layout (16 rows of R16, 4 of Q4_K_R4), else None."""
+    for g in groups:
+        if g.row_start <= start and start + rows <= g.row_start + g.rows and (start - g.row_start) % 16 == 0:
+            return g.qtype, g.ptr + (start - g.row_start) * g.row_bytes, g.row_bytes
+    return None
 
 
 def _mapped(part: Any) -> bool:
