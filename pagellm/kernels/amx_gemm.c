@@ -25,10 +25,10 @@
 
 #include "ggml_common.h"
 #include "team.h"
+#include "vec8.h"
 
 int pg_i8_unpack_tile(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t r0,
                       int64_t G, uint8_t *tile, int *off);
-void pg_act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu);
 int64_t pg_gemm_i8_tile_bytes(int type, int64_t K);
 int pg_i8gemm_fast(void);
 
@@ -252,6 +252,38 @@ AMX void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t
     _tile_release();
 }
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline AMX v16f v16_select(v16i mask, v16f a, v16f b) {
+    return (v16f)((mask & (v16i)a) | (~mask & (v16i)b));
+}
+
+static inline AMX v16f v16_exp(v16f x) {
+    PG_EXP_LANES(v16f, v16i, v16_select, x);
+    return x;
+}
+
+/* o[i] = act(g[i]) * u[i] for i < 32 (n of them), sixteen lanes at a time: the lanes of
+ * pg_act_mul_row (the same steps, vec8.h), twice as wide. */
+static AMX void act_mul_block(const float *g, const float *u, float *o, int64_t n, int gelu) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16f gv, uv;
+        memcpy(&gv, g + i, sizeof gv);
+        memcpy(&uv, u + i, sizeof uv);
+        const v16f ov = (gelu ? PG_GELU_TANH(gv, v16_exp) : PG_SILU(gv, v16_exp)) * uv;
+        memcpy(o + i, &ov, sizeof ov);
+    }
+    if (i < n) { /* the last panel's columns past I: padded lanes, not stored */
+        v16f gv = {0}, uv = {0};
+        memcpy(&gv, g + i, (size_t)(n - i) * sizeof(float));
+        memcpy(&uv, u + i, (size_t)(n - i) * sizeof(float));
+        const v16f ov = (gelu ? PG_GELU_TANH(gv, v16_exp) : PG_SILU(gv, v16_exp)) * uv;
+        memcpy(o + i, &ov, (size_t)(n - i) * sizeof(float));
+    }
+}
+
 /* Panels a thread dequantizes together in the gated product: a gate and an up panel each. */
 static inline int64_t gated_group(int64_t K) {
     const int64_t p = panels_per_group(K) / 2;
@@ -260,8 +292,8 @@ static inline int64_t gated_group(int64_t K) {
 
 /* Thread ith's share of the 32-column panels of the gated product: Y[:, cols] =
  * act(A @ Wg[cols].T) * (A @ Wu[cols].T), each 32 x 32 block of the gate and the up
- * product taken from the tiles and combined by pg_act_mul_row (the unfused pass's
- * arithmetic). scratch: pg_gemm_amx_gated_scratch bytes of the thread's own. */
+ * product taken from the tiles and combined by act_mul_block (the unfused pass's
+ * arithmetic, sixteen lanes at a time). scratch: pg_gemm_amx_gated_scratch bytes of the thread's own. */
 AMX void pg_gemm_amx_gated_part(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint8_t *Wu,
                                 int64_t rbu, int64_t I, int64_t K, const uint16_t *A, int64_t M,
                                 int act, float *Y, int64_t ldy, uint8_t *scratch,
@@ -288,7 +320,7 @@ AMX void pg_gemm_amx_gated_part(int tg, const uint8_t *Wg, int64_t rbg, int tu, 
                 store_block(up);
                 const int64_t rows = M - m0 < 32 ? M - m0 : 32, n = I - 32 * p < 32 ? I - 32 * p : 32;
                 for (int64_t r = 0; r < rows; r++)
-                    pg_act_mul_row(gate + 32 * r, up + 32 * r, Y + (m0 + r) * ldy + 32 * p, n, act);
+                    act_mul_block(gate + 32 * r, up + 32 * r, Y + (m0 + r) * ldy + 32 * p, n, act);
             }
     }
     _tile_release();

@@ -110,21 +110,16 @@ void pg_rope(float *x, int64_t ldx, int64_t T, int64_t heads, int64_t D, const i
                 pg_rope_part(x, ldx, T, heads, D, pos, cos_table, sin_table, &team));
 }
 
-/* The gates: silu(g) = g / (1 + e^-g); GELU's tanh form
- * 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), is the same shape:
- * 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u). */
-static inline v8f silu8(v8f g) { return g / (1.0f + v8_exp(-g)); }
+/* The gates (vec8.h's PG_SILU, PG_GELU_TANH). */
+static inline v8f silu8(v8f g) { return PG_SILU(g, v8_exp); }
 
-static inline v8f gelu_tanh8(v8f g) {
-    v8f u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    return g / (1.0f + v8_exp(-2.0f * u));
-}
+static inline v8f gelu_tanh8(v8f g) { return PG_GELU_TANH(g, v8_exp); }
 
 /* o[i] = act(g[i]) * u[i] for i < n, eight at a time; the tail is padded into a vector
  * (memcpy of a constant 32 bytes compiles to one unaligned load or store). Each lane's
- * arithmetic is its own, so a row cut in pieces gives the same numbers (the AMX gated
- * product calls it on 32 columns at a time). */
-void pg_act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu) {
+ * arithmetic is its own: amx_gemm.c's gated product takes the same steps sixteen lanes
+ * at a time. */
+static void act_mul_row(const float *g, const float *u, float *o, int64_t n, int gelu) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         v8f gv, uv;
@@ -148,7 +143,7 @@ void pg_act_and_mul_part(const float *x, int64_t ldx, int64_t T, int64_t I, int 
                          float *out, int64_t ldo, const pg_team *team) {
     int64_t t0, t1;
     pg_share_if(T * I >= PG_ROWS_PARALLEL_MIN, T, team, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) pg_act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, act);
+    for (int64_t t = t0; t < t1; t++) act_mul_row(x + t * ldx, x + t * ldx + I, out + t * ldo, I, act);
 }
 
 void pg_silu_and_mul(const float *x, int64_t ldx, int64_t T, int64_t I, float *out,
