@@ -216,15 +216,25 @@ static inline __attribute__((always_inline)) int next_blocks(const next_task *nx
     return m;
 }
 
-/* Line `i` of the `m` next blocks' K and V (each `lines` cache lines), spread over the d
- * loop: a prefetch or two per iteration rather than a burst that stalls on fill buffers. */
-static inline __attribute__((always_inline)) void prefetch_line(const char *kc, const char *vc,
-                                                                const int64_t *offs, int m,
-                                                                int64_t lines, int64_t i) {
-    if (i >= m * lines) return;
-    const int64_t off = offs[i / lines] + (i % lines) * 64;
+/* A walk over the lines of the `m` next blocks' K and V (each `lines` cache lines), a
+ * prefetch or two per iteration of the d loop rather than a burst that stalls on fill
+ * buffers. */
+typedef struct {
+    const int64_t *offs;
+    int m, blk;
+    int64_t lines, line;
+} next_lines;
+
+static inline __attribute__((always_inline)) void prefetch_next_line(const char *kc, const char *vc,
+                                                                     next_lines *w) {
+    if (w->blk >= w->m) return;
+    const int64_t off = w->offs[w->blk] + w->line * 64;
     _mm_prefetch(kc + off, _MM_HINT_T1);
     _mm_prefetch(vc + off, _MM_HINT_T1);
+    if (++w->line == w->lines) {
+        w->line = 0;
+        w->blk++;
+    }
 }
 
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
@@ -248,10 +258,11 @@ static inline __attribute__((always_inline)) void decode_heads(
         __m256 a[4][2];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
         int64_t offs[8];
-        const int m = next_blocks(nx, j - j0, 1, j1 - j0, NB, D * 16 * es, offs);
-        const int64_t lines = D * 16 * es / 64, per = (m * lines + D - 1) / D;
+        next_lines walk = {offs, next_blocks(nx, j - j0, 1, j1 - j0, NB, D * 16 * es, offs), 0,
+                           D * 16 * es / 64, 0};
+        const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
-            for (int64_t u = 0; u < per; u++) prefetch_line(kc, vc, offs, m, lines, d * per + u);
+            for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
             if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
             __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
             for (int g = 0; g < G; g++) {
@@ -376,10 +387,11 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
         __m512 a[4], c[4];
         for (int g = 0; g < G; g++) a[g] = c[g] = _mm512_setzero_ps();
         int64_t offs[8];
-        const int m = next_blocks(nx, j - j0, 2, j1 - j0, NB, D * 16 * es, offs);
-        const int64_t lines = D * 16 * es / 64, per = (m * lines + D - 1) / D;
+        next_lines walk = {offs, next_blocks(nx, j - j0, 2, j1 - j0, NB, D * 16 * es, offs), 0,
+                           D * 16 * es / 64, 0};
+        const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
-            for (int64_t u = 0; u < per; u++) prefetch_line(kc, vc, offs, m, lines, d * per + u);
+            for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
             if ((d * 16) % line == 0) {
                 (void)(kn + d * 16 * es);
                 (void)(kn1 + d * 16 * es);
