@@ -32,6 +32,10 @@
 
 enum { PG_KV_F32 = 0, PG_KV_F16 = 1, PG_KV_BF16 = 2 }; /* the cache's element type */
 
+/* Query vectors one several-row task holds at most (its score accumulators): the rows of
+ * a prompt chunk or a verify run, times their heads of one KV head. */
+enum { PREFILL_VECTORS = 12 };
+
 static inline int64_t kv_elem_bytes(int kt) { return kt == PG_KV_F32 ? 4 : 2; }
 
 /* Element i of a cache of type kt as a float. */
@@ -543,6 +547,72 @@ ATTN512 static void rows_task512(int nq, int kt, const float *q, int64_t ldq, in
         ROWS_KV(PG_KV_BF16)
     }
 }
+
+
+/* Heads a several-row task takes of a KV head's group, and its rows. */
+static void row_task_shape(int64_t group, int64_t *runs, int64_t *nh, int64_t *R) {
+    *runs = (group + PREFILL_VECTORS - 1) / PREFILL_VECTORS;
+    *nh = (group + *runs - 1) / *runs; /* the last run may hold fewer */
+    *R = PREFILL_VECTORS / *nh;
+}
+
+/* Whether row b of a decode batch reads what row b - 1 reads and the next slot: the next
+ * row of one prompt chunk or one verify run (RowAttention), which a task can attend
+ * together with it. */
+static int continues_row(const int64_t *table, int64_t ts, const int64_t *lo, const int64_t *hi,
+                         int64_t b) {
+    if (lo[b] != lo[b - 1] || hi[b] != hi[b - 1] + 1) return 0;
+    const int64_t j0 = lo[b] / 16, j1 = (hi[b] + 15) / 16;
+    return memcmp(table + b * ts + j0, table + (b - 1) * ts + j0, (size_t)(j1 - j0) * sizeof(int64_t)) == 0;
+}
+
+/* decode_avx2_part's rows where some continue the row before: runs of up to R such rows
+ * per task (rows_heads512, the same numbers as a row alone), the team's share cut by the
+ * slots read. Returns 0 where no row continues another (plain decodes: tasks512). */
+ATTN512 static int row_runs512(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
+                               int64_t D, int kt, const void *k_store, const void *v_store,
+                               int64_t NB, const int64_t *table, int64_t ts, const int64_t *lo,
+                               const int64_t *hi, float scale, float cap, float *out, float *sc,
+                               int64_t stride, int parallel, const pg_team *team) {
+    int any = 0;
+    for (int64_t b = 1; b < B && !any; b++) any = continues_row(table, ts, lo, hi, b);
+    if (!any) return 0;
+    const int64_t group = H / KVH;
+    int64_t runs, nh, R;
+    row_task_shape(group, &runs, &nh, &R);
+    /* tasks in row order: (run of rows, KV head, head run), weighed by the slots read */
+    int64_t total = 0;
+    for (int64_t s = 0, e; s < B; s = e) {
+        for (e = s + 1; e < B && e - s < R && continues_row(table, ts, lo, hi, e); e++) {}
+        total += (hi[e - 1] - lo[s] + 16) * KVH * runs;
+    }
+    int64_t from = 0, to = total;
+    if (pg_team_splits(parallel, team)) {
+        from = total * team->ith / team->nth;
+        to = total * (team->ith + 1) / team->nth;
+    } else if (team->ith != 0) {
+        return 1;
+    }
+    int64_t seen = 0;
+    for (int64_t s = 0, e; s < B && seen < to; s = e) {
+        for (e = s + 1; e < B && e - s < R && continues_row(table, ts, lo, hi, e); e++) {}
+        const int64_t w = hi[e - 1] - lo[s] + 16;
+        for (int64_t kvh = 0; kvh < KVH; kvh++)
+            for (int64_t run = 0; run < runs; run++, seen += w) {
+                if (seen < from || seen >= to) continue;
+                const int64_t h0 = kvh * group + run * nh;
+                const int64_t heads = h0 + nh <= (kvh + 1) * group ? nh : (kvh + 1) * group - h0;
+                int64_t vlo[PREFILL_VECTORS], vhi[PREFILL_VECTORS];
+                for (int64_t v = 0; v < (e - s) * heads; v++) {
+                    vlo[v] = lo[s + v / heads];
+                    vhi[v] = hi[s + v / heads];
+                }
+                rows_task512((int)((e - s) * heads), kt, q, ldq, s, heads, h0, kvh, D, k_store,
+                             v_store, NB, table + s * ts, vlo, vhi, scale, cap, sc, stride, out, H);
+            }
+    }
+    return 1;
+}
 #endif
 
 
@@ -561,6 +631,12 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
     const int64_t runs = (group + run - 1) / run;
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
     int64_t t0, t1;
+#ifdef PG_X86_DISPATCH
+    if (attn512() && row_runs512(q, ldq, B, H, KVH, D, kt, k_store, v_store, NB, table,
+                                 table_stride, lo, hi, scale, cap, out, sc, stride,
+                                 B * H * max_slots * D >= 32768, team))
+        return;
+#endif
     share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
 #ifdef PG_X86_DISPATCH
     if (attn512()) {
@@ -628,8 +704,9 @@ static inline __attribute__((always_inline)) void decode_portable_part(const flo
     }
 }
 
-/* Floats of scratch one thread of pg_paged_decode_part needs. */
-int64_t pg_paged_decode_scratch(int64_t max_slots) { return 4 * (max_slots + 32); }
+/* Floats of scratch one thread of pg_paged_decode_part needs: a score row for each query
+ * vector of a task. */
+int64_t pg_paged_decode_scratch(int64_t max_slots) { return PREFILL_VECTORS * (max_slots + 32); }
 
 void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
                           int64_t D, int kv_type, const void *k_store, const void *v_store,
@@ -716,9 +793,6 @@ void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
                                                        k_store, v_store, NB, bs, slots, &team));
 }
 
-/* Query vectors one prompt-attention task holds at most (its score accumulators). */
-enum { PREFILL_VECTORS = 12 };
-
 /* Whether pg_paged_prefill runs here for heads of D dims (block size 16). */
 int pg_paged_prefill_ready(int64_t D) {
 #ifdef PG_X86_DISPATCH
@@ -742,9 +816,8 @@ int pg_paged_prefill(const float *q, int64_t ldq, int64_t C, const int64_t *row0
 #ifdef PG_X86_DISPATCH
     if (!pg_paged_prefill_ready(D) || C <= 0) return -1;
     const int64_t group = H / KVH;
-    const int64_t runs = (group + PREFILL_VECTORS - 1) / PREFILL_VECTORS;
-    const int64_t nh = (group + runs - 1) / runs; /* heads per task (the last run may hold fewer) */
-    const int64_t R = PREFILL_VECTORS / nh; /* rows per task */
+    int64_t runs, nh, R; /* head runs a KV head, heads and rows a task */
+    row_task_shape(group, &runs, &nh, &R);
     /* tasks (chunk, row block, KV head, head run), weighed by the slots they read */
     int64_t ntasks = 0, max_slots = 0;
     for (int64_t c = 0; c < C; c++) {

@@ -1,8 +1,9 @@
 """The prompt attention kernel (pg_paged_prefill, kernels/paged_attention.c): several rows
-of a prompt chunk per task, sharing each K and V load. Every row must give the bits the
-decode kernel (pg_paged_decode) gives it as a one-token decode of its own, for every cache
-type, head grouping (up to and past one task's 12 query vectors), sliding window, score
-cap, a chunk with a cached prefix and chunks side by side."""
+of a prompt chunk per task, sharing each K and V load; and the decode kernel's runs of such
+rows in a batch (RowAttention's prompt chunks and verify runs). Every row must give the bits
+the decode kernel gives it as a one-token decode of its own, for every cache type, head
+grouping (up to and past one task's 12 query vectors), sliding window, score cap, a chunk
+with a cached prefix and chunks side by side."""
 
 from __future__ import annotations
 
@@ -52,20 +53,34 @@ def _case(lib, chunks: list[tuple[int, int]], h: int, kvh: int, d: int, dtype: t
                               v_store.data_ptr(), nb, tables.data_ptr(), tables.stride(0), window,
                               d**-0.5, cap, out.data_ptr())
     assert rc == 0
-    # each row alone through the decode kernel
+    # each row alone through the decode kernel (a batch of one: no run of rows to share)
     rows = [(c, t) for c in range(len(chunks)) for t in range(row0[c], row1[c])]
     table = torch.stack([tables[c] for c, _ in rows]).contiguous()
     hi = i64([first_hi[c] + t - row0[c] for c, t in rows])
     lo = (hi - window).clamp_(min=0) if window else torch.zeros_like(hi)
     qr = torch.stack([q[t] for _, t in rows]).contiguous()
     ref = torch.empty(len(rows), h, d)
-    rc = lib.pg_paged_decode(qr.data_ptr(), qr.stride(0), len(rows), h, kvh, d, KV_TYPE_CODES[dtype],
-                             k_store.data_ptr(), v_store.data_ptr(), nb, BS, table.data_ptr(),
-                             table.stride(0), lo.data_ptr(), hi.data_ptr(), int((hi - lo).max()),
-                             d**-0.5, cap, ref.data_ptr())
-    assert rc == 0
+    for r in range(len(rows)):
+        assert lib.pg_paged_decode(qr[r].data_ptr(), qr.stride(0), 1, h, kvh, d, KV_TYPE_CODES[dtype],
+                                   k_store.data_ptr(), v_store.data_ptr(), nb, BS, table[r].data_ptr(),
+                                   table.stride(0), lo[r:].data_ptr(), hi[r:].data_ptr(),
+                                   int(hi[r] - lo[r]), d**-0.5, cap, ref[r].data_ptr()) == 0
     got = torch.stack([out[t] for _, t in rows])
     assert torch.equal(got, ref), (got - ref).abs().max()
+    # the same rows as one decode batch (RowAttention's layout, with a row of another
+    # request between chunks): runs of rows share their tasks there too, with the same bits
+    other = torch.randperm(nb, generator=gen)[:ncols]
+    batch_rows = [None] + rows  # a decode of another request first
+    table_b = torch.stack([other if x is None else tables[x[0]] for x in batch_rows]).contiguous()
+    hi_b = torch.cat([i64([9]), hi])
+    lo_b = torch.cat([i64([0]), lo])
+    q_b = torch.cat([torch.randn(1, h, d, generator=gen), qr])
+    out_b = torch.empty(len(batch_rows), h, d)
+    assert lib.pg_paged_decode(q_b.data_ptr(), q_b.stride(0), len(batch_rows), h, kvh, d,
+                               KV_TYPE_CODES[dtype], k_store.data_ptr(), v_store.data_ptr(), nb, BS,
+                               table_b.data_ptr(), table_b.stride(0), lo_b.data_ptr(), hi_b.data_ptr(),
+                               int((hi_b - lo_b).max()), d**-0.5, cap, out_b.data_ptr()) == 0
+    assert torch.equal(out_b[1:], ref)
     # rows outside the chunks are left alone
     outside = [t for t in range(T) if not any(a <= t < b for a, b in zip(row0, row1))]
     assert torch.equal(out[outside], torch.full((len(outside), h, d), 7.0))
