@@ -166,11 +166,12 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_gflops(n: int, reps: int) -> float:
-    """Best float32 torch.mm rate over `reps` runs of an n x n x n product (all threads)."""
+def matmul_gflops(n: int, reps: int, dtype: str = "float32") -> float:
+    """Best torch.mm rate over `reps` runs of an n x n x n product in `dtype` (all threads);
+    bfloat16 runs on AMX tiles where the CPU has them (oneDNN), as pagellm's AMX products do."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
     torch.mm(a, b)
     best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))
     return 2 * n**3 / best / 1e9
@@ -217,6 +218,7 @@ def describe_machine(quick: bool) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "matmul_gflops_fp32": matmul_gflops(1024 if quick else 2048, 3 if quick else 5),
+        "matmul_gflops_bf16": matmul_gflops(1024 if quick else 2048, 3 if quick else 5, "bfloat16"),
         "copy_bandwidth_gbs": copy_bandwidth_gbs(64 if quick else 512, 3 if quick else 5),
         "read_bandwidth_gbs": read_bandwidth_gbs(64 if quick else 1024, 3 if quick else 5),
     }
@@ -1152,15 +1154,18 @@ def fill_bandwidth_shares(rows: list[Row], weights: dict[str, Any] | None, read_
 def machine_share(rows: list[Row], flops: dict[str, dict[str, Any]],
                   machine: dict[str, Any]) -> dict[str, dict[str, float]]:
     """pagellm's processed tokens/s (prompt + output: each costs one forward) against the
-    compute limit: matmul FLOP/s / FLOPs per token."""
+    compute limit: the faster matmul FLOP/s (float32, or bfloat16 where the CPU has AMX:
+    pagellm's batched products then run in bfloat16) / FLOPs per token."""
     shares = {}
+    peak, dtype = max((machine.get(f"matmul_gflops_{d}") or 0.0, d) for d in ("fp32", "bf16"))
     for row in rows:
         if row.system not in REFERENCE or not row.elapsed_s or row.workload in shares:
             continue
-        limit = machine["matmul_gflops_fp32"] * 1e9 / flops[row.workload]["flops_per_token"]
+        limit = peak * 1e9 / flops[row.workload]["flops_per_token"]
         processed = (row.prompt_tokens + row.output_tokens) / row.elapsed_s
         shares[row.workload] = {"system": row.system, "processed_tokens_per_s": processed,
-                                "machine_limit_tokens_per_s": limit, "share": processed / limit}
+                                "machine_limit_tokens_per_s": limit, "share": processed / limit,
+                                "matmul_dtype": dtype}
     return shares
 
 
@@ -1193,7 +1198,7 @@ def print_table(rows: list[Row], shares: dict[str, dict[str, float]],
     for wl, s in shares.items():
         print(f"{s['system']} on {wl}: {s['processed_tokens_per_s']:.1f} processed tok/s = "
               f"{100 * s['share']:.1f}% of the machine limit "
-              f"({s['machine_limit_tokens_per_s']:.0f} tok/s at peak matmul FLOP/s)")
+              f"({s['machine_limit_tokens_per_s']:.0f} tok/s at peak {s['matmul_dtype']} matmul FLOP/s)")
     if weights and read_gbs and any(r.read_bandwidth_share is not None for r in rows):
         print(f"of read bw: weight bytes per decoded token ({weights['bytes_per_token'] / 1e6:.1f} MB "
               f"from the file's blocks, {weights['float32_bytes_per_token'] / 1e6:.1f} MB as float32; "
@@ -1207,6 +1212,7 @@ def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     print(f"machine: {machine['cpu_model']}, {machine['logical_cores']} cores, "
           f"{machine['ram_gib']} GiB, torch {machine['torch_version']}; "
           f"{machine['matmul_gflops_fp32']:.1f} GFLOP/s fp32 matmul, "
+          f"{machine['matmul_gflops_bf16']:.1f} bf16, "
           f"{machine['copy_bandwidth_gbs']:.1f} GB/s copy (read + write), "
           f"{machine['read_bandwidth_gbs']:.1f} GB/s read", flush=True)
     table = QUICK_WORKLOADS if args.quick else WORKLOADS

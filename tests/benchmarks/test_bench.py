@@ -214,7 +214,7 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
     assert {"cpu_model", "logical_cores", "ram_gib", "torch_version", "matmul_gflops_fp32",
-            "copy_bandwidth_gbs", "read_bandwidth_gbs"} <= set(data["machine"])
+            "matmul_gflops_bf16", "copy_bandwidth_gbs", "read_bandwidth_gbs"} <= set(data["machine"])
     assert data["machine"]["read_bandwidth_gbs"] > 0
     rows = {(r["system"], r["workload"]): r for r in data["rows"]}
     assert set(rows) == {(s, w) for s in ("pagellm", "vllm") for w in ("W", "V", "S", "P")}
@@ -236,6 +236,10 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     assert p["prompt_tokens_per_s"] == pytest.approx(64 / p["ttft_s"]) and p["read_bandwidth_share"] is None
     assert rows[("vllm", "W")]["note"].startswith("skipped")
     assert 0 < data["machine_share"]["W"]["share"]
+    # the limit is the faster matmul of the two dtypes (bfloat16 on AMX CPUs)
+    machine, share = data["machine"], data["machine_share"]["W"]
+    faster = "bf16" if machine["matmul_gflops_bf16"] > machine["matmul_gflops_fp32"] else "fp32"
+    assert share["matmul_dtype"] == faster and f"peak {faster} matmul" in res.stdout
     assert "vs pagellm" in res.stdout and "peak PSS MiB" in res.stdout and "of read bw" in res.stdout
 
 
