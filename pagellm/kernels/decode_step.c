@@ -84,6 +84,11 @@ int64_t pg_gemm_amx_scratch(int type, int64_t K);
 int64_t pg_amx_rows_bytes(int64_t M, int64_t K);
 void pg_bf16_rows_part(const float *X, int64_t ldx, int64_t M, int64_t K, uint16_t *A,
                        const pg_team *team);
+int64_t pg_gemm_amx_gated_scratch(int tg, int tu, int64_t K);
+void pg_gemm_amx_gated_part(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint8_t *Wu,
+                            int64_t rbu, int64_t I, int64_t K, const uint16_t *A, int64_t M,
+                            int act, float *Y, int64_t ldy, uint8_t *scratch,
+                            const pg_team *team);
 void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                       const uint16_t *A, int64_t M, float *Y, int64_t ldy, uint8_t *scratch,
                       const pg_team *team);
@@ -432,6 +437,41 @@ static void moe_ffn(const pg_layer *L, const pg_step *s, const scratch *sc, floa
     }
 }
 
+/* The group of L holding output rows [start, start + rows) from a whole 16-row bundle, as
+ * the AMX gated product reads it (*data its first row), or NULL. */
+static const pg_weight_group *rows_of(const pg_linear *L, int64_t start, int64_t rows,
+                                      const uint8_t **data) {
+    for (int64_t g = 0; g < L->n_groups; g++) {
+        const pg_weight_group *w = &L->groups[g];
+        if (w->block == 0 && pg_i8gemm_supported((int)w->type) && w->row_start <= start &&
+            start + rows <= w->row_start + w->rows && (start - w->row_start) % 16 == 0) {
+            *data = w->data + (start - w->row_start) * w->row_bytes;
+            return w;
+        }
+    }
+    return NULL;
+}
+
+/* The MLP's act(gate) * up into s->act in one AMX pass (pg_gemm_amx_gated: the numbers of
+ * the gate_up product and the activation pass), where linear() would run every row of
+ * gate_up on AMX; returns 0 (and does nothing) elsewhere. */
+static int gated_amx(const pg_layer *L, const pg_step *s, const scratch *sc, const pg_team *team) {
+    const pg_linear *gu = &L->gate_up;
+    const int64_t T = s->T, I = s->inter;
+    if (takes_q8(gu, s) || !takes_i8(gu, T, s) || T < PG_AMX_MIN_ROWS || !pg_amx_ready() ||
+        gu->bias != NULL || gu->n_out != 2 * I)
+        return 0;
+    const uint8_t *dg, *du;
+    const pg_weight_group *g = rows_of(gu, 0, I, &dg), *u = rows_of(gu, I, I, &du);
+    if (g == NULL || u == NULL) return 0;
+    pg_bf16_rows_part(s->normed, gu->n_in, T, gu->n_in, sc->bx, team);
+    pg_team_sync(team);
+    pg_gemm_amx_gated_part((int)g->type, dg, g->row_bytes, (int)u->type, du, u->row_bytes, I,
+                           gu->n_in, sc->bx, T, (int)L->act, s->act, I, sc->amx, team);
+    pg_team_sync(team);
+    return 1;
+}
+
 static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s, float *x,
                           float *res, const scratch *sc, const pg_team *team) {
     const int64_t T = s->T, hid = s->hidden, qkv_w = (s->H + 2 * s->KVH) * s->D;
@@ -476,10 +516,12 @@ static void decode_layers(const pg_layer *layers, int64_t n_layers, const pg_ste
             moe_ffn(L, s, sc, x, team);
             continue;
         }
-        linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
-        pg_act_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, (int)L->act, s->act,
-                            s->inter, team);
-        pg_team_sync(team);
+        if (!gated_amx(L, s, sc, team)) {
+            linear(&L->gate_up, s->normed, T, s->gate_up, s, sc, team);
+            pg_act_and_mul_part(s->gate_up, 2 * s->inter, T, s->inter, (int)L->act, s->act,
+                                s->inter, team);
+            pg_team_sync(team);
+        }
         linear(&L->down, s->act, T, x, s, sc, team);
         if (L->post_ffn != NULL) {
             pg_add_rms_norm_part(x, hid, NULL, 0, L->post_ffn, T, hid, s->eps, x, hid, team);
@@ -531,6 +573,12 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
             for (int i = 0; i < 5; i++)
                 for (int64_t g = 0; g < lin[i]->n_groups; g++)
                     TILE_FOR((int)lin[i]->groups[g].type, lin[i]->n_in);
+            const pg_linear *gu = &L->gate_up;
+            if (amx && gu->n_groups > 0) { /* the gated product's two panels a group (gated_amx) */
+                const int64_t f = pg_gemm_amx_gated_scratch((int)gu->groups[0].type,
+                                                            (int)gu->groups[gu->n_groups - 1].type, gu->n_in);
+                if ((f + 3) / 4 > tile_floats) tile_floats = (f + 3) / 4;
+            }
             if (L->moe_experts > 0) { /* the experts' shapes */
                 const pg_weight_group *e[3] = {&L->moe_gate, &L->moe_up, &L->moe_down};
                 for (int i = 0; i < 3; i++)

@@ -251,6 +251,41 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
             _close(f, m)
 
 
+def test_fused_stack_on_amx_equals_module_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 32 rows or more on the q8 path where the CPU has AMX-BF16: the one-region
+    stack's products on AMX tiles, its MLP's gate and up products with the activation in
+    one pass (gated_amx) and its runs of prompt rows attended together, against the module
+    path (the same products through gguf_matmul and GGUFLinearMethod.apply_gated, prompt
+    rows through pg_paged_prefill): a 35-decode step, and a 70-row step of prompts beside
+    decodes. Logits within 1e-5."""
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    lib = load_kernels()
+    if lib is None or not lib.pg_amx_ready():
+        pytest.skip("this CPU has no AMX-BF16 (or no C compiler): the AMX paths do not run here")
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=2)
+    mc = make_model_config(path, quantization="gguf")
+    model = get_model(mc, torch.device("cpu"), get_attn_backend("torch"))
+    names = [f"r{i}" for i in range(35)]
+
+    def add(runner: PagedRunner) -> None:
+        for i, name in enumerate(names):
+            runner.add(name, [(j * (7 + i) + 3 * i) % 500 + 1 for j in range(6 + i % 5)])
+
+    steps = [
+        [(n, 2) for n in names],  # 70 prompt rows: a step of prompt chunks
+        [(n, 1) for n in names[:30]] + [(n, 2) for n in names[30:]],  # decodes beside chunks
+        [(n, 1) for n in names],  # 35 decodes
+        [(n, 1) for n in names],
+    ]
+    fused, modules, took = _stack_against_modules(model, mc, add, steps, block_size=16)
+    assert took == [True] * len(steps)
+    for f, m in zip(fused, modules):
+        _close(f, m)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gemma2"])
 def test_fused_stack_attends_prompt_rows_like_sdpa(
     tiny_model: Callable[..., str], family: str
