@@ -130,6 +130,9 @@ class GGUFConfig(QuantizationConfig):
                           "decodes int8 too (AVX-512 VNNI GEMM), shorter prompt chunks float32"
                           if activations == "q8" and lib is not None and lib.pg_i8gemm_fast()
                           else "prompt rows float32")
+                if activations == "q8" and lib is not None and lib.pg_amx_ready():
+                    prompt += (f"; from {AMX_MIN_ROWS} rows those products run on AMX tiles in "
+                               "bfloat16 instead (PAGELLM_AMX=0: the int8 GEMM)")
                 logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
                             "rounded to int8 in %s (%s), the head's in two; %s; "
                             "gguf_activations='float32' (PAGELLM_GGUF_ACTIVATIONS=float32) for "
