@@ -312,6 +312,107 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
 }
 
+/* rows_heads512 on AVX2 (up to 6 query vectors: two accumulators each for a block's 16
+ * slots; the output 32 dims at a time for 3 vectors a pass over the slots): each score
+ * decode_heads' chain over d, each softmax softmax_rows, each output its chain over slots,
+ * so a row gets the bits decode_heads gives it alone. */
+static inline __attribute__((always_inline)) void rows_heads(
+    const int NQ, const int kt, const float *q, int64_t ldq, int64_t t0, int64_t nh, int64_t h0,
+    int64_t kvh, int64_t D, const void *k_store, const void *v_store, int64_t NB,
+    const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
+    int64_t stride, float *out, int64_t H) {
+    const char *kc = (const char *)k_store;
+    const int64_t es = kv_elem_bytes(kt);
+    int64_t first = lo[0], last = hi[0];
+    for (int i = 1; i < NQ; i++) {
+        first = lo[i] < first ? lo[i] : first;
+        last = hi[i] > last ? hi[i] : last;
+    }
+    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
+    float qs[6][256];
+    for (int i = 0; i < NQ; i++)
+        for (int64_t d = 0; d < D; d++) qs[i][d] = q[(t0 + i / nh) * ldq + (h0 + i % nh) * D + d] * scale;
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
+        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
+        __m256 a[6][2];
+        for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d++) {
+            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            const __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
+            for (int i = 0; i < NQ; i++) {
+                const __m256 qd = _mm256_set1_ps(qs[i][d]);
+                a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < NQ; i++) {
+            _mm256_storeu_ps(sc + i * stride + (j - j0) * 16, a[i][0]);
+            _mm256_storeu_ps(sc + i * stride + (j - j0) * 16 + 8, a[i][1]);
+        }
+    }
+    const int64_t base = first - j0 * 16, end = last - j0 * 16;
+    for (int i = 0; i < NQ; i++) {
+        float *p = sc + i * stride;
+        const int64_t off = lo[i] - j0 * 16, n = hi[i] - lo[i];
+        softmax_rows(1, p, stride, off, n, cap);
+        for (int64_t x = base; x < off; x++) p[x] = 0.0f;
+        for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        for (int c0 = 0; c0 < NQ; c0 += 3) {
+            const int nc = NQ - c0 < 3 ? NQ - c0 : 3;
+            __m256 acc[3][4];
+            for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
+            for (int64_t i = first; i < last; i++) {
+                const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+                const __m256 v0 = kv_load8(v_store, vr, kt), v1 = kv_load8(v_store, vr + 8, kt);
+                const __m256 v2 = kv_load8(v_store, vr + 16, kt), v3 = kv_load8(v_store, vr + 24, kt);
+                for (int c = 0; c < nc; c++) {
+                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+                    acc[c][0] = _mm256_fmadd_ps(pi, v0, acc[c][0]);
+                    acc[c][1] = _mm256_fmadd_ps(pi, v1, acc[c][1]);
+                    acc[c][2] = _mm256_fmadd_ps(pi, v2, acc[c][2]);
+                    acc[c][3] = _mm256_fmadd_ps(pi, v3, acc[c][3]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+                const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
+                float *o = out + (t * H + h) * D + d0;
+                _mm256_storeu_ps(o, acc[c][0]);
+                _mm256_storeu_ps(o + 8, acc[c][1]);
+                _mm256_storeu_ps(o + 16, acc[c][2]);
+                _mm256_storeu_ps(o + 24, acc[c][3]);
+            }
+        }
+    }
+}
+
+#define ROWS2_CASE(n, kv)                                                                      \
+    case n:                                                                                    \
+        rows_heads(n, kv, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi,       \
+                   scale, cap, sc, stride, out, H);                                            \
+        break;
+#define ROWS2_KV(kv)                                                                           \
+    case kv:                                                                                   \
+        switch (nq) {                                                                          \
+            ROWS2_CASE(1, kv) ROWS2_CASE(2, kv) ROWS2_CASE(3, kv)                              \
+            ROWS2_CASE(4, kv) ROWS2_CASE(5, kv) ROWS2_CASE(6, kv)                              \
+        }                                                                                      \
+        break;
+
+/* One several-row task on AVX2: nq = rows x nh query vectors, up to 6 (rows_heads). */
+static void rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, int64_t nh,
+                      int64_t h0, int64_t kvh, int64_t D, const void *k_store, const void *v_store,
+                      int64_t NB, const int64_t *row, const int64_t *lo, const int64_t *hi,
+                      float scale, float cap, float *sc, int64_t stride, float *out, int64_t H) {
+    switch (kt) {
+        ROWS2_KV(PG_KV_F32)
+        ROWS2_KV(PG_KV_F16)
+        ROWS2_KV(PG_KV_BF16)
+    }
+}
+
 /* Tasks [t0, t1) of decode_avx2_part: (request, KV head, run of up to 4 of its query
  * heads), each through heads_fn (decode_heads, or decode_heads512 twice as wide), one copy
  * per cache type and run length. */
@@ -608,11 +709,40 @@ ATTN512 static void rows_task512(int nq, int kt, const float *q, int64_t ldq, in
 }
 
 
+#endif
+
+
+/* Query vectors a several-row task holds here: 12 on AVX-512 (rows_heads512), 6 on AVX2. */
+static int64_t task_vectors(void) {
+#ifdef PG_X86_DISPATCH
+    if (attn512()) return PREFILL_VECTORS;
+#endif
+    return 6;
+}
+
 /* Heads a several-row task takes of a KV head's group, and its rows. */
 static void row_task_shape(int64_t group, int64_t *runs, int64_t *nh, int64_t *R) {
-    *runs = (group + PREFILL_VECTORS - 1) / PREFILL_VECTORS;
+    const int64_t vectors = task_vectors();
+    *runs = (group + vectors - 1) / vectors;
     *nh = (group + *runs - 1) / *runs; /* the last run may hold fewer */
-    *R = PREFILL_VECTORS / *nh;
+    *R = vectors / *nh;
+}
+
+/* One several-row task on the widest kernel here. */
+static void any_rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, int64_t nh,
+                          int64_t h0, int64_t kvh, int64_t D, const void *k_store,
+                          const void *v_store, int64_t NB, const int64_t *row, const int64_t *lo,
+                          const int64_t *hi, float scale, float cap, float *sc, int64_t stride,
+                          float *out, int64_t H) {
+#ifdef PG_X86_DISPATCH
+    if (attn512()) {
+        rows_task512(nq, kt, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi, scale,
+                     cap, sc, stride, out, H);
+        return;
+    }
+#endif
+    rows_task(nq, kt, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi, scale, cap,
+              sc, stride, out, H);
 }
 
 /* Whether row b of a decode batch reads what row b - 1 reads and the next slot: the next
@@ -626,9 +756,9 @@ static int continues_row(const int64_t *table, int64_t ts, const int64_t *lo, co
 }
 
 /* decode_avx2_part's rows where some continue the row before: runs of up to R such rows
- * per task (rows_heads512, the same numbers as a row alone), the team's share cut by the
- * slots read. Returns 0 where no row continues another (plain decodes: tasks512). */
-ATTN512 static int row_runs512(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
+ * per task (rows_heads512 / rows_heads, the same numbers as a row alone), the team's share
+ * cut by the slots read. Returns 0 where no row continues another (plain decodes). */
+static int row_runs(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH,
                                int64_t D, int kt, const void *k_store, const void *v_store,
                                int64_t NB, const int64_t *table, int64_t ts, const int64_t *lo,
                                const int64_t *hi, float scale, float cap, float *out, float *sc,
@@ -666,14 +796,12 @@ ATTN512 static int row_runs512(const float *q, int64_t ldq, int64_t B, int64_t H
                     vlo[v] = lo[s + v / heads];
                     vhi[v] = hi[s + v / heads];
                 }
-                rows_task512((int)((e - s) * heads), kt, q, ldq, s, heads, h0, kvh, D, k_store,
-                             v_store, NB, table + s * ts, vlo, vhi, scale, cap, sc, stride, out, H);
+                any_rows_task((int)((e - s) * heads), kt, q, ldq, s, heads, h0, kvh, D, k_store,
+                              v_store, NB, table + s * ts, vlo, vhi, scale, cap, sc, stride, out, H);
             }
     }
     return 1;
 }
-#endif
-
 
 /* Tasks: (request, KV head, run of up to 4 of its query heads); sc: 4 * (max_slots + 32)
  * floats. */
@@ -690,12 +818,9 @@ static void decode_avx2_part(const float *q, int64_t ldq, int64_t B, int64_t H, 
     const int64_t runs = (group + run - 1) / run;
     const int64_t stride = max_slots + 32; /* whole blocks on both ends */
     int64_t t0, t1;
-#ifdef PG_X86_DISPATCH
-    if (attn512() && row_runs512(q, ldq, B, H, KVH, D, kt, k_store, v_store, NB, table,
-                                 table_stride, lo, hi, scale, cap, out, sc, stride,
-                                 B * H * max_slots * D >= 32768, team))
+    if (row_runs(q, ldq, B, H, KVH, D, kt, k_store, v_store, NB, table, table_stride, lo, hi,
+                 scale, cap, out, sc, stride, B * H * max_slots * D >= 32768, team))
         return;
-#endif
     share_by_slots(B * H * max_slots * D >= 32768, B, KVH * runs, lo, hi, team, &t0, &t1);
 #ifdef PG_X86_DISPATCH
     if (attn512()) {
@@ -852,10 +977,11 @@ void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv,
                                                        k_store, v_store, NB, bs, slots, &team));
 }
 
-/* Whether pg_paged_prefill runs here for heads of D dims (block size 16). */
+/* Whether pg_paged_prefill runs here for heads of D dims (block size 16): the AVX2 build,
+ * twice as wide where the CPU has AVX-512. */
 int pg_paged_prefill_ready(int64_t D) {
-#ifdef PG_X86_DISPATCH
-    return attn512() && D % 32 == 0 && D <= 256;
+#ifdef PG_AVX2
+    return D % 32 == 0 && D <= 256;
 #else
     (void)D;
     return 0;
@@ -870,9 +996,10 @@ int pg_paged_prefill_ready(int64_t D) {
  * Block size 16. Returns 0; -1 where pg_paged_prefill_ready(D) is false or memory ran out. */
 int pg_paged_prefill(const float *q, int64_t ldq, int64_t C, const int64_t *row0,
                      const int64_t *row1, const int64_t *first_hi, int64_t H, int64_t KVH,
-                     int64_t D, int kv_type, const void *k_store, const void *v_store, int64_t NB, const int64_t *table,
-                     int64_t table_stride, int64_t window, float scale, float cap, float *out) {
-#ifdef PG_X86_DISPATCH
+                     int64_t D, int kv_type, const void *k_store, const void *v_store, int64_t NB,
+                     const int64_t *table, int64_t table_stride, int64_t window, float scale,
+                     float cap, float *out) {
+#ifdef PG_AVX2
     if (!pg_paged_prefill_ready(D) || C <= 0) return -1;
     const int64_t group = H / KVH;
     int64_t runs, nh, R; /* head runs a KV head, heads and rows a task */
@@ -929,9 +1056,9 @@ int pg_paged_prefill(const float *q, int64_t ldq, int64_t C, const int64_t *row0
                 hi[v] = first_hi[c] + (r + v / heads - row0[c]);
                 lo[v] = window > 0 && hi[v] > window ? hi[v] - window : 0;
             }
-            rows_task512((int)(rows * heads), kv_type, q, ldq, r, heads, h0, kvh, D, k_store,
-                         v_store, NB, table + c * table_stride, lo, hi, scale, cap, sc, stride,
-                         out, H);
+            any_rows_task((int)(rows * heads), kv_type, q, ldq, r, heads, h0, kvh, D, k_store,
+                          v_store, NB, table + c * table_stride, lo, hi, scale, cap, sc, stride,
+                          out, H);
         }
         free(sc);
     });

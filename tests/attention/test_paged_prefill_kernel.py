@@ -2,10 +2,12 @@
 of a prompt chunk per task, sharing each K and V load; and the decode kernel's runs of such
 rows in a batch (RowAttention's prompt chunks and verify runs). Every row must give the bits
 the decode kernel gives it as a one-token decode of its own, for every cache type, head
-grouping (up to and past one task's 12 query vectors), sliding window, score cap, a chunk
-with a cached prefix and chunks side by side."""
+grouping (up to and past one task's 12 query vectors, 6 on AVX2), sliding window, score
+cap, a chunk with a cached prefix and chunks side by side, on AVX-512 and on AVX2."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -17,13 +19,26 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def lib():
+def kernels():
     lib = load_kernels()
     if lib is None:
         pytest.skip("no C compiler: pagellm's kernels are not built")
     if not lib.pg_paged_prefill_ready(64):
-        pytest.skip("pg_paged_prefill needs AVX-512 F/BW/VL/DQ, which this CPU lacks")
+        pytest.skip("pg_paged_prefill needs the AVX2 build of the kernels, which this machine lacks")
     return lib
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def lib(kernels, request):
+    """The kernels on each of their widths: AVX-512 where the CPU has it, and AVX2 (forced
+    through pg_attn_wide = 0, as the decode kernel's tests do)."""
+    wide = ctypes.c_int.in_dll(kernels, "pg_attn_wide")
+    if request.param == "avx512" and not kernels.pg_attn_isa512():
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ: the 16-lane attention does not run here")
+    saved = wide.value
+    wide.value = 1 if request.param == "avx512" else 0
+    yield kernels
+    wide.value = saved
 
 
 def _case(lib, chunks: list[tuple[int, int]], h: int, kvh: int, d: int, dtype: torch.dtype,
