@@ -385,15 +385,22 @@ int64_t pg_amx_rows_bytes(int64_t M, int64_t K) {
     return (M + 31) / 32 * 32 * K * 2;
 }
 
-/* Y[m, n] = sum_k X[m, k] W[n, k], the inputs and the weights rounded to bfloat16 and
- * summed in float32 on AMX tiles. Returns 0; -1 where AMX or the type is not supported
- * here, K is not a multiple of 32, or memory ran out. */
-int pg_gemm_amx(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-                const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (!pg_amx_supported(type, K) || (pg_is_r16(type) && N % 16) || M <= 0) return -1;
+/* One AMX product's weights and result: W alone (pg_gemm_amx_part), or with Wu the gate
+ * and up weights of a gated MLP (pg_gemm_amx_gated_part, activation `act`). */
+typedef struct {
+    int type, type_u, act;
+    const uint8_t *W, *Wu;
+    int64_t row_bytes, row_bytes_u, N;
+    float *Y;
+    int64_t ldy;
+} amx_job;
+
+/* X's M rows rounded to bfloat16 once, then the job's panels shared by the team, each
+ * thread with `scratch_bytes` of its own. Returns 0; -1 where memory ran out. */
+static int amx_run(const amx_job *j, int64_t K, const float *X, int64_t ldx, int64_t M,
+                   int64_t scratch_bytes) {
     uint16_t *A = aligned_alloc(64, (size_t)pg_amx_rows_bytes(M, K));
     if (A == NULL) return -1;
-    const int64_t bytes = pg_gemm_amx_scratch(type, K);
     int failed = 0;
     pg_barrier barrier = {0};
     barrier.spin_ns = pg_team_spin_ns;
@@ -402,15 +409,28 @@ int pg_gemm_amx(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_
         const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
         pg_bf16_rows_part(X, ldx, M, K, A, &team);
         pg_team_sync(&team);
-        uint8_t *scratch = aligned_alloc(64, (size_t)bytes);
+        uint8_t *scratch = aligned_alloc(64, (size_t)scratch_bytes);
         if (scratch == NULL)
             failed = 1;
+        else if (j->Wu == NULL)
+            pg_gemm_amx_part(j->type, j->W, j->row_bytes, j->N, K, A, M, j->Y, j->ldy, scratch, &team);
         else
-            pg_gemm_amx_part(type, W, row_bytes, N, K, A, M, Y, ldy, scratch, &team);
+            pg_gemm_amx_gated_part(j->type, j->W, j->row_bytes, j->type_u, j->Wu, j->row_bytes_u, j->N,
+                                   K, A, M, j->act, j->Y, j->ldy, scratch, &team);
         free(scratch);
     }
     free(A);
     return failed ? -1 : 0;
+}
+
+/* Y[m, n] = sum_k X[m, k] W[n, k], the inputs and the weights rounded to bfloat16 and
+ * summed in float32 on AMX tiles. Returns 0; -1 where AMX or the type is not supported
+ * here, K is not a multiple of 32, or memory ran out. */
+int pg_gemm_amx(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
+    if (!pg_amx_supported(type, K) || (pg_is_r16(type) && N % 16) || M <= 0) return -1;
+    const amx_job job = {.type = type, .W = W, .row_bytes = row_bytes, .N = N, .Y = Y, .ldy = ldy};
+    return amx_run(&job, K, X, ldx, M, pg_gemm_amx_scratch(type, K));
 }
 
 /* Bytes of a thread's scratch for pg_gemm_amx_gated_part. */
@@ -428,29 +448,11 @@ int pg_gemm_amx_gated(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint
                       int64_t rbu, int64_t I, int64_t K, const float *X, int64_t ldx, int64_t M,
                       int act, float *Y, int64_t ldy) {
     if (!pg_amx_supported(tg, K) || !pg_amx_supported(tu, K) || M <= 0 ||
-        ((pg_is_r16(tg) || pg_is_r16(tu)) && I % 16))
+        ((pg_is_r16(tg) || pg_is_r16(tu)) && I % 16) || Wu == NULL)
         return -1;
-    uint16_t *A = aligned_alloc(64, (size_t)pg_amx_rows_bytes(M, K));
-    if (A == NULL) return -1;
-    const int64_t bytes = pg_gemm_amx_gated_scratch(tg, tu, K);
-    int failed = 0;
-    pg_barrier barrier = {0};
-    barrier.spin_ns = pg_team_spin_ns;
-#pragma omp parallel reduction(| : failed)
-    {
-        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
-        pg_bf16_rows_part(X, ldx, M, K, A, &team);
-        pg_team_sync(&team);
-        uint8_t *scratch = aligned_alloc(64, (size_t)bytes);
-        if (scratch == NULL)
-            failed = 1;
-        else
-            pg_gemm_amx_gated_part(tg, Wg, rbg, tu, Wu, rbu, I, K, A, M, act, Y, ldy, scratch,
-                                   &team);
-        free(scratch);
-    }
-    free(A);
-    return failed ? -1 : 0;
+    const amx_job job = {.type = tg, .type_u = tu, .act = act, .W = Wg, .Wu = Wu,
+                         .row_bytes = rbg, .row_bytes_u = rbu, .N = I, .Y = Y, .ldy = ldy};
+    return amx_run(&job, K, X, ldx, M, pg_gemm_amx_gated_scratch(tg, tu, K));
 }
 
 /* The bfloat16 weights pg_gemm_amx multiplies, row-major into out [N][K] (for tests). */

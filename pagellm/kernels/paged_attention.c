@@ -312,6 +312,30 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
 }
 
+/* What a several-row task's kernels (rows_heads, rows_heads512) start from: the slots
+ * [*first, *last) that any of its NQ query vectors sees, and each vector (row i / nh, head
+ * h0 + i % nh) times the scale in qs[i]. */
+static inline __attribute__((always_inline)) void rows_setup(
+    const int NQ, const float *q, int64_t ldq, int64_t t0, int64_t nh, int64_t h0, int64_t D,
+    float scale, const int64_t *lo, const int64_t *hi, float (*qs)[256], int64_t *first,
+    int64_t *last) {
+    *first = lo[0], *last = hi[0];
+    for (int i = 1; i < NQ; i++) {
+        *first = lo[i] < *first ? lo[i] : *first;
+        *last = hi[i] > *last ? hi[i] : *last;
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int64_t d = 0; d < D; d++) qs[i][d] = q[(t0 + i / nh) * ldq + (h0 + i % nh) * D + d] * scale;
+}
+
+/* A vector's probabilities over the task's slots [base, end): +0 outside its own
+ * [off, off + n), so the output's chain over every slot of the task adds nothing there. */
+static inline __attribute__((always_inline)) void zero_outside(float *p, int64_t base, int64_t off,
+                                                               int64_t n, int64_t end) {
+    for (int64_t x = base; x < off; x++) p[x] = 0.0f;
+    for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
+}
+
 /* rows_heads512 on AVX2 (up to 6 query vectors: two accumulators each for a block's 16
  * slots; the output 32 dims at a time for 3 vectors a pass over the slots): each score
  * decode_heads' chain over d, each softmax softmax_rows, each output its chain over slots,
@@ -323,15 +347,10 @@ static inline __attribute__((always_inline)) void rows_heads(
     int64_t stride, float *out, int64_t H) {
     const char *kc = (const char *)k_store;
     const int64_t es = kv_elem_bytes(kt);
-    int64_t first = lo[0], last = hi[0];
-    for (int i = 1; i < NQ; i++) {
-        first = lo[i] < first ? lo[i] : first;
-        last = hi[i] > last ? hi[i] : last;
-    }
-    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
+    int64_t first, last;
     float qs[6][256];
-    for (int i = 0; i < NQ; i++)
-        for (int64_t d = 0; d < D; d++) qs[i][d] = q[(t0 + i / nh) * ldq + (h0 + i % nh) * D + d] * scale;
+    rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
+    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
         const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
         const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
@@ -356,8 +375,7 @@ static inline __attribute__((always_inline)) void rows_heads(
         float *p = sc + i * stride;
         const int64_t off = lo[i] - j0 * 16, n = hi[i] - lo[i];
         softmax_rows(1, p, stride, off, n, cap);
-        for (int64_t x = base; x < off; x++) p[x] = 0.0f;
-        for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
+        zero_outside(p, base, off, n, end);
     }
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int c0 = 0; c0 < NQ; c0 += 3) {
@@ -388,29 +406,31 @@ static inline __attribute__((always_inline)) void rows_heads(
     }
 }
 
-#define ROWS2_CASE(n, kv)                                                                      \
+/* One copy of a several-row kernel per cache type and vector count (up to 6 or 12). */
+#define ROWS_CASE(fn, n, kv)                                                                   \
     case n:                                                                                    \
-        rows_heads(n, kv, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi,       \
-                   scale, cap, sc, stride, out, H);                                            \
+        fn(n, kv, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi, scale, cap,   \
+           sc, stride, out, H);                                                                \
         break;
-#define ROWS2_KV(kv)                                                                           \
-    case kv:                                                                                   \
-        switch (nq) {                                                                          \
-            ROWS2_CASE(1, kv) ROWS2_CASE(2, kv) ROWS2_CASE(3, kv)                              \
-            ROWS2_CASE(4, kv) ROWS2_CASE(5, kv) ROWS2_CASE(6, kv)                              \
-        }                                                                                      \
-        break;
+#define ROWS_UP_TO_6(fn, kv)                                                                   \
+    ROWS_CASE(fn, 1, kv) ROWS_CASE(fn, 2, kv) ROWS_CASE(fn, 3, kv)                             \
+    ROWS_CASE(fn, 4, kv) ROWS_CASE(fn, 5, kv) ROWS_CASE(fn, 6, kv)
+#define ROWS_UP_TO_12(fn, kv)                                                                  \
+    ROWS_UP_TO_6(fn, kv) ROWS_CASE(fn, 7, kv) ROWS_CASE(fn, 8, kv) ROWS_CASE(fn, 9, kv)        \
+    ROWS_CASE(fn, 10, kv) ROWS_CASE(fn, 11, kv) ROWS_CASE(fn, 12, kv)
+#define ROWS_TASK(counts, fn)                                                                  \
+    switch (kt) {                                                                              \
+        case PG_KV_F32: switch (nq) { counts(fn, PG_KV_F32) } break;                           \
+        case PG_KV_F16: switch (nq) { counts(fn, PG_KV_F16) } break;                           \
+        case PG_KV_BF16: switch (nq) { counts(fn, PG_KV_BF16) } break;                         \
+    }
 
 /* One several-row task on AVX2: nq = rows x nh query vectors, up to 6 (rows_heads). */
 static void rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, int64_t nh,
                       int64_t h0, int64_t kvh, int64_t D, const void *k_store, const void *v_store,
                       int64_t NB, const int64_t *row, const int64_t *lo, const int64_t *hi,
                       float scale, float cap, float *sc, int64_t stride, float *out, int64_t H) {
-    switch (kt) {
-        ROWS2_KV(PG_KV_F32)
-        ROWS2_KV(PG_KV_F16)
-        ROWS2_KV(PG_KV_BF16)
-    }
+    ROWS_TASK(ROWS_UP_TO_6, rows_heads)
 }
 
 /* Tasks [t0, t1) of decode_avx2_part: (request, KV head, run of up to 4 of its query
@@ -623,15 +643,10 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     int64_t stride, float *out, int64_t H) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
     const int64_t es = kv_elem_bytes(kt), line = 64 / es;
-    int64_t first = lo[0], last = hi[0];
-    for (int i = 1; i < NQ; i++) {
-        first = lo[i] < first ? lo[i] : first;
-        last = hi[i] > last ? hi[i] : last;
-    }
-    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
+    int64_t first, last;
     float qs[12][256];
-    for (int i = 0; i < NQ; i++)
-        for (int64_t d = 0; d < D; d++) qs[i][d] = q[(t0 + i / nh) * ldq + (h0 + i % nh) * D + d] * scale;
+    rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
+    const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
         const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
         const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
@@ -649,8 +664,7 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
         float *p = sc + i * stride;
         const int64_t off = lo[i] - j0 * 16, n = hi[i] - lo[i];
         softmax_rows512(1, p, stride, off, n, cap);
-        for (int64_t x = base; x < off; x++) p[x] = 0.0f;
-        for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
+        zero_outside(p, base, off, n, end);
     }
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int c0 = 0; c0 < NQ; c0 += 8) {
@@ -680,20 +694,6 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     }
 }
 
-#define ROWS_CASE(n, kv)                                                                       \
-    case n:                                                                                    \
-        rows_heads512(n, kv, q, ldq, t0, nh, h0, kvh, D, k_store, v_store, NB, row, lo, hi,    \
-                      scale, cap, sc, stride, out, H);                                         \
-        break;
-#define ROWS_KV(kv)                                                                            \
-    case kv:                                                                                   \
-        switch (nq) {                                                                          \
-            ROWS_CASE(1, kv) ROWS_CASE(2, kv) ROWS_CASE(3, kv) ROWS_CASE(4, kv)                \
-            ROWS_CASE(5, kv) ROWS_CASE(6, kv) ROWS_CASE(7, kv) ROWS_CASE(8, kv)                \
-            ROWS_CASE(9, kv) ROWS_CASE(10, kv) ROWS_CASE(11, kv) ROWS_CASE(12, kv)             \
-        }                                                                                      \
-        break;
-
 /* One task of pg_paged_prefill: nq = rows x nh query vectors (see rows_heads512). */
 ATTN512 static void rows_task512(int nq, int kt, const float *q, int64_t ldq, int64_t t0,
                                  int64_t nh, int64_t h0, int64_t kvh, int64_t D,
@@ -701,11 +701,7 @@ ATTN512 static void rows_task512(int nq, int kt, const float *q, int64_t ldq, in
                                  const int64_t *row, const int64_t *lo, const int64_t *hi,
                                  float scale, float cap, float *sc, int64_t stride, float *out,
                                  int64_t H) {
-    switch (kt) {
-        ROWS_KV(PG_KV_F32)
-        ROWS_KV(PG_KV_F16)
-        ROWS_KV(PG_KV_BF16)
-    }
+    ROWS_TASK(ROWS_UP_TO_12, rows_heads512)
 }
 
 
