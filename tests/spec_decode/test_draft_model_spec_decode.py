@@ -21,7 +21,7 @@ import pytest
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.spec_decode.draft_model import _common_prefix
 from tests.spec_decode.test_ngram_spec_decode import _assert_empty as _assert_target_empty
-from tests.spec_decode.test_ngram_spec_decode import _core, _engine, _ids
+from tests.spec_decode.test_ngram_spec_decode import _assert_preempted_alike, _core, _engine, _ids
 
 PROMPTS = [
     "Repeat the text exactly.\n\nText: We hold these truths to be self-evident, that all men are "
@@ -226,18 +226,9 @@ def test_preemption_keeps_greedy_tokens_tiny(tiny_pair: dict[str, str]) -> None:
     """A pool too small for the batch: requests are preempted (their draft KV freed and
     drafted again when they resume) and the tokens stay the same."""
     kwargs = {"num_gpu_blocks_override": 12, "block_size": 16, "max_model_len": 160}
-    plain = _engine(tiny_pair["target"], None, **kwargs)
-    spec = _engine(tiny_pair["target"], _spec(tiny_pair["near"]), **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    try:
-        want = _ids(plain.generate(PROMPTS, params, use_tqdm=False))
-        assert _ids(spec.generate(PROMPTS, params, use_tqdm=False)) == want
-        sched = _core(spec).scheduler
-        assert sched.num_preemptions_total > 0 and sched.spec_totals.num_accepted_tokens > 0
-        _assert_empty(spec)
-    finally:
-        plain.shutdown()
-        spec.shutdown()
+    _assert_preempted_alike(_engine(tiny_pair["target"], None, **kwargs),
+                            _engine(tiny_pair["target"], _spec(tiny_pair["near"]), **kwargs),
+                            PROMPTS, _assert_empty)
 
 
 def test_a_request_short_of_draft_blocks_proposes_nothing(tiny_pair: dict[str, str]) -> None:

@@ -160,14 +160,21 @@ def test_preemption_keeps_greedy_tokens() -> None:
     it first gave, see tests/entrypoints/test_llm.py)."""
     kwargs = {"gguf_activations": "float32", "num_gpu_blocks_override": 14, "block_size": 16,
               "max_model_len": 160}
-    plain, spec = _engine(None, None, **kwargs), _engine(None, SPEC, **kwargs)
+    _assert_preempted_alike(_engine(None, None, **kwargs), _engine(None, SPEC, **kwargs), PROMPTS)
+
+
+def _assert_preempted_alike(plain: LLM, spec: LLM, prompts: list,
+                            assert_empty: Callable[[LLM], None] | None = None) -> None:
+    """`prompts` through both engines greedily (48 tokens each): the same tokens, `spec`
+    preempted on the way and accepting proposals, its KV empty after (`assert_empty`,
+    default _assert_empty). Shuts both engines down."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     try:
-        want = _ids(plain.generate(PROMPTS, params, use_tqdm=False))
-        assert _ids(spec.generate(PROMPTS, params, use_tqdm=False)) == want
+        want = _ids(plain.generate(prompts, params, use_tqdm=False))
+        assert _ids(spec.generate(prompts, params, use_tqdm=False)) == want
         sched = _core(spec).scheduler
         assert sched.num_preemptions_total > 0 and sched.spec_totals.num_accepted_tokens > 0
-        _assert_empty(spec)
+        (assert_empty or _assert_empty)(spec)
     finally:
         plain.shutdown()
         spec.shutdown()

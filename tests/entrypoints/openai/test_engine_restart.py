@@ -64,6 +64,23 @@ async def _stream(client: httpx.AsyncClient, body: dict) -> dict:
     return result
 
 
+def _kill_under_load(srv: ServerProcess, pid: int, streams: int, max_tokens: int,
+                     timeout: float) -> tuple[list[dict], float]:
+    """`streams` streaming completions of `max_tokens` each, and SIGKILL of `pid` once the
+    server runs them all: each stream's result (_stream) and the kill's monotonic time."""
+
+    async def load_and_kill() -> tuple[list[dict], float]:
+        async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=timeout) as client:
+            body = {**BODY, "max_tokens": max_tokens}
+            tasks = [asyncio.create_task(_stream(client, body)) for _ in range(streams)]
+            await asyncio.to_thread(srv.wait_running, streams)
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks), killed_at
+
+    return asyncio.run(load_and_kill())
+
+
 def _wait_healthy(srv: ServerProcess, within: float) -> float:
     """Seconds until /health is a plain 200 (every engine core serving)."""
     start = time.monotonic()
@@ -81,16 +98,8 @@ def test_kill_9_under_load_restarts_the_engine(tiny_model) -> None:
         (old_pid,) = _engine_pids(srv).values()
         assert srv.metric("pagellm:engine_restarts_total") == 0
 
-        async def load_and_kill() -> tuple[list[dict], float]:
-            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
-                body = {**BODY, "max_tokens": 2000}  # still running when the engine dies
-                streams = [asyncio.create_task(_stream(client, body)) for _ in range(6)]
-                await asyncio.to_thread(srv.wait_running, 6)
-                killed_at = time.monotonic()
-                os.kill(old_pid, signal.SIGKILL)
-                return await asyncio.gather(*streams), killed_at
-
-        results, killed_at = asyncio.run(load_and_kill())
+        # still running when the engine dies
+        results, killed_at = _kill_under_load(srv, old_pid, streams=6, max_tokens=2000, timeout=60)
         for res in results:
             assert res["done"] and res["chunks"] < 2000 and res["tokens"] is None
             assert res["error"]["code"] == 503 and res["error"]["type"] == "ServiceUnavailableError"

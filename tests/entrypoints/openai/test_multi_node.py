@@ -7,19 +7,21 @@ head's is refused with the field named."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
 import pytest
 
 from tests.entrypoints.openai.conftest import ServerProcess
-from tests.entrypoints.openai.test_engine_restart import BODY, _auth, _stream, _wait_healthy
+from tests.entrypoints.openai.test_engine_restart import (
+    _auth,
+    _kill_under_load,
+    _wait_healthy,
+)
 from tests.utils import import_benchmark
 
 _free_port_pair = import_benchmark("compare").free_port_pair
@@ -80,16 +82,8 @@ def _kill_rank_1_under_load(srv: ServerProcess, pid: int, cause: str) -> None:
     1's two streams end with the 503 event naming `cause` within 2 s of the kill, rank 0's
     two finish."""
 
-    async def load_and_kill() -> tuple[list[dict], float]:
-        async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=120) as client:
-            body = {**BODY, "max_tokens": 1500}  # still running at the kill
-            streams = [asyncio.create_task(_stream(client, body)) for _ in range(4)]
-            await asyncio.to_thread(srv.wait_running, 4)
-            killed_at = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            return await asyncio.gather(*streams), killed_at
-
-    results, killed_at = asyncio.run(load_and_kill())
+    # still running at the kill
+    results, killed_at = _kill_under_load(srv, pid, streams=4, max_tokens=1500, timeout=120)
     failed = [r for r in results if r["error"] is not None]
     completed = [r for r in results if r["error"] is None]
     assert len(failed) == 2 and len(completed) == 2  # rank 1's two fail, rank 0's finish
