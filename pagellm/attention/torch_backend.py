@@ -20,6 +20,7 @@ read), both exposed as logical [num_blocks, block_size, KVH, D] views:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -52,9 +53,25 @@ class PrefillChunk:
     block_ids: torch.Tensor | None
     """[ceil(seq_len / block_size)] blocks holding the whole sequence; None when ctx_len is 0
     (the chunk then attends only to its own fresh K/V)."""
-    mask: torch.Tensor | None
-    """[q_len, seq_len] bool, True = may attend; None when plain causal (ctx_len is 0 and
-    no sliding window cuts into the chunk)."""
+    window: int | None = None
+    """The sliding window that cuts into the chunk (None: none does)."""
+    device: torch.device | None = None
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q_len, seq_len] bool, True = may attend; None when plain causal (ctx_len is 0
+        and no sliding window cuts into the chunk). Built on first use: a step whose prompt
+        chunks the C kernel attends (PromptRows) never needs it."""
+        if self.ctx_len == 0 and self.window is None:
+            return None
+        # Query row r sits at position ctx_len + r and sees keys 0 .. ctx_len + r
+        # (with a window W, only the last W of them).
+        q_pos = torch.arange(self.ctx_len, self.seq_len, device=self.device)
+        k_pos = torch.arange(self.seq_len, device=self.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if self.window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - self.window
+        return mask
 
 
 @dataclass
@@ -278,20 +295,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         seq_len = common.seq_lens_cpu[i]
         ctx_len = seq_len - (end - start)
         window = self.sliding_window
-        if ctx_len == 0 and (window is None or seq_len <= window):
-            return PrefillChunk(start, end, 0, seq_len, None, None)
+        if window is not None and seq_len <= window:
+            window = None  # it cuts into nothing
         block_ids = None
         if ctx_len > 0:
             num_blocks = cdiv(seq_len, self.block_size)
             block_ids = common.block_table[i, :num_blocks]
-        # Query row r sits at position ctx_len + r and sees keys 0 .. ctx_len + r
-        # (with a window W, only the last W of them).
-        q_pos = torch.arange(ctx_len, seq_len, device=self.device)
-        k_pos = torch.arange(seq_len, device=self.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        if window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - window
-        return PrefillChunk(start, end, ctx_len, seq_len, block_ids, mask)
+        return PrefillChunk(start, end, ctx_len, seq_len, block_ids, window, self.device)
 
 
 class TorchAttentionImpl(AttentionImpl):
