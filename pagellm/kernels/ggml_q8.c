@@ -843,11 +843,12 @@ VNNI512 static void range_r16(int base, const uint8_t *W, int64_t row_bytes, int
                 default: R16_BASES(8); break;
             }
 #undef R16_BASES
-            float out[R16_ROWS][16], col[R16_ROWS];
-            for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
-            for (int v = 0; v < 16; v++) {
-                for (int r = 0; r < R; r++) col[r] = out[r][v];
-                store_sums(col, R, m0, levels, Y, ldy, yrows, n + v);
+            /* store_sums' sums, 16 columns a vector: the levels added in its order */
+            for (int r = 0; r < R; r += (int)levels) {
+                const int64_t m = (m0 + r) / levels;
+                __m512 sum = acc[r];
+                for (int l = 1; l < levels; l++) sum = _mm512_add_ps(sum, acc[r + l]);
+                _mm512_storeu_ps(Y + (yrows != NULL ? yrows[m] : m) * ldy + n, sum);
             }
         }
     }
