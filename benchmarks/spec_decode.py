@@ -98,8 +98,15 @@ class Pagellm:
     def grounded(self, passage: str, max_tokens: int) -> tuple[float, int]:
         from pagellm import SamplingParams
 
-        text = self.engine.get_tokenizer().apply_chat_template(
-            grounded_messages(passage), add_generation_prompt=True, tokenize=False)
+        tokenizer = self.engine.get_tokenizer()
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(grounded_messages(passage), add_generation_prompt=True,
+                                                 tokenize=False)
+        else:  # a file without a chat template (the Gemma 3 270M GGUF): Gemma's documented turns
+            content = grounded_messages(passage)[0]["content"]
+            if "<start_of_turn>" not in tokenizer.get_vocab():
+                raise SystemExit("the model has no chat template and no Gemma turn markers")
+            text = f"<start_of_turn>user\n{content}<end_of_turn>\n<start_of_turn>model\n"
         return self._run(text, SamplingParams(temperature=0, max_tokens=max_tokens))
 
     def stream(self, max_tokens: int) -> tuple[float, int]:

@@ -27,26 +27,28 @@ int pg_isa_level(void);
  * ones with VNNI besides, the decode attention) are compiled for; detected once. */
 int pg_avx512_full(void);
 
-/* Q4_K weights repacked at load, four rows at a time (pg_repack_q4_k_r4, ggml_cpu.c), for
- * the int8 decode kernels: not a ggml type. Per group of 4 rows and super-block of 256
- * values, PG_R4_SB bytes:
- *   [0, 8)     d of rows 0-3 (float16)        [8, 16)  dmin of rows 0-3
- *   [16, 48)   scale of sub-block j, row r at 16 + 4j + r (6 bits, unpacked)
- *   [48, 80)   minimum of sub-block j, row r at 48 + 4j + r
- *   [80, 592)  values: sub-block j's 64 bytes at 80 + 64j, row r's 16 at 80 + 64j + 16r,
- *              byte i = value i | value 16 + i << 4
- * so that one 64-byte vector holds a sub-block of all four rows, and the kernel unpacks
- * the scales of four rows with one load. A row's `row_bytes` is 148 per super-block; row
- * n lies in the group starting at row n - n % 4, which holds 4 * row_bytes bytes. */
-#define PG_Q4_K_R4 112
-#define PG_R4_SB 592
-#define PG_R4_SCALES 16
-#define PG_R4_MINS 48
-#define PG_R4_VALUES 80
+/* Q4_K weights repacked at load, sixteen rows at a time (pg_repack_q4_k_r16, ggml_cpu.c),
+ * for the int8 kernels: not a ggml type. Per group of 16 rows and super-block of 256
+ * values, PG_K16_SB bytes:
+ *   [0, 32)      d of rows 0-15 (float16)     [32, 64)  dmin of rows 0-15
+ *   [64, 192)    scale of sub-block j, row r at 64 + 16j + r (6 bits, unpacked)
+ *   [192, 320)   minimum of sub-block j, row r at 192 + 16j + r
+ *   [320, 2368)  values: sub-block j's 256 bytes at 320 + 256j as four 64-byte vectors,
+ *                vector c holding bytes 4c .. 4c+3 of each row (row r at 64c + 4r), where
+ *                a row's byte i = value i | value 16 + i << 4
+ * so that a sub-block of the sixteen rows is the int8 GEMM's tile (ggml_i8gemm.c) after
+ * an AND and a shift, and its sixteen scales (minimums) are one 16-byte load. A row's
+ * `row_bytes` is 148 per super-block (Q4_K's 144 with the scales unpacked); row n lies in
+ * the group starting at row n - n % 16, which holds 16 * row_bytes bytes. */
+#define PG_Q4_K_R16 113
+#define PG_K16_SB 2368
+#define PG_K16_SCALES 64
+#define PG_K16_MINS 192
+#define PG_K16_VALUES 320
 
-/* Super-block sb of the group of rows that holds row n (lane n % 4 in it). */
-static inline const uint8_t *pg_r4_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
-    return W + (n >> 2) * 4 * row_bytes + sb * PG_R4_SB;
+/* Super-block sb of the group of rows that holds row n (lane n % 16 in it). */
+static inline const uint8_t *pg_k16_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
+    return W + (n >> 4) * 16 * row_bytes + sb * PG_K16_SB;
 }
 
 /* Q4_0, Q4_1 and Q8_0 weights repacked at load, sixteen rows at a time (pg_repack_r16,
@@ -148,15 +150,16 @@ static inline float pg_f16(const uint8_t *p) {
 #endif
 }
 
-/* Row r's (0-3) sub-block j (0-7) of Q4_K_R4 super-block b: its 16 bytes of values, and
- * its scale and minimum as Q4_K's dequantization takes them (d * scale, dmin * min). */
-static inline const uint8_t *pg_r4_values(const uint8_t *b, int r, int j) {
-    return b + PG_R4_VALUES + 64 * j + 16 * r;
+/* Row r's (0-15) sub-block j (0-7) of Q4_K_R16 super-block b: its 16 bytes of values
+ * (byte i = value i | value 16 + i << 4), gathered from the four vectors; and its scale
+ * and minimum as Q4_K's dequantization takes them (d * scale, dmin * min). */
+static inline void pg_k16_values(const uint8_t *b, int r, int j, uint8_t *out) {
+    for (int c = 0; c < 4; c++) memcpy(out + 4 * c, b + PG_K16_VALUES + 256 * j + 64 * c + 4 * r, 4);
 }
 
-static inline void pg_r4_scale_min(const uint8_t *b, int r, int j, float *scale, float *min) {
-    *scale = pg_f16(b + 2 * r) * b[PG_R4_SCALES + 4 * j + r];
-    *min = pg_f16(b + 8 + 2 * r) * b[PG_R4_MINS + 4 * j + r];
+static inline void pg_k16_scale_min(const uint8_t *b, int r, int j, float *scale, float *min) {
+    *scale = pg_f16(b + 2 * r) * b[PG_K16_SCALES + 16 * j + r];
+    *min = pg_f16(b + 32 + 2 * r) * b[PG_K16_MINS + 16 * j + r];
 }
 
 #ifdef PG_AVX2

@@ -68,7 +68,7 @@ static void type_traits(int type, int64_t *block, int64_t *bytes) {
         case T_Q5_K: *block = 256; *bytes = 176; return;
         case T_Q6_K: *block = 256; *bytes = 210; return;
         case T_IQ4_XS: *block = 256; *bytes = 136; return;
-        case PG_Q4_K_R4: *block = 256; *bytes = 148; return;
+        case PG_Q4_K_R16: *block = 256; *bytes = 148; return;
         case PG_Q4_0_R16: *block = 32; *bytes = 18; return;
         case PG_Q4_1_R16: *block = 32; *bytes = 20; return;
         case PG_Q8_0_R16: *block = 32; *bytes = 34; return;
@@ -407,16 +407,17 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
-/* Row n of a Q4_K_R4 matrix as K float32 values: Q4_K's values in each build (avx_q4_k's
+/* Row n of a Q4_K_R16 matrix as K float32 values: Q4_K's values in each build (avx_q4_k's
  * u * d + -m in one rounding, deq32_q4_k's d * u - m in the portable one). */
-static void dequant_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
-    const int r = (int)(n & 3);
+static void dequant_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
+    const int r = (int)(n & 15);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
+        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb);
         for (int j = 0; j < 8; j++) {
             float d, m;
-            pg_r4_scale_min(b, r, j, &d, &m);
-            const uint8_t *q = pg_r4_values(b, r, j);
+            uint8_t q[16];
+            pg_k16_scale_min(b, r, j, &d, &m);
+            pg_k16_values(b, r, j, q);
             float *y = out + 256 * sb + 32 * j;
 #ifdef PG_AVX2
             __m256 w[4];
@@ -450,8 +451,8 @@ static void dequant_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t n
 /* Row n of W as K float32 values, whatever the layout. */
 static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
                           float *out) {
-    if (type == PG_Q4_K_R4)
-        dequant_r4(W, row_bytes, n, K, out);
+    if (type == PG_Q4_K_R16)
+        dequant_k16(W, row_bytes, n, K, out);
     else if (pg_is_r16(type))
         dequant_r16(type, W, row_bytes, n, K, out);
     else
@@ -464,30 +465,29 @@ void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, in
     dequant_row_n(type, W, row_bytes, n, K, out);
 }
 
-/* Q4_K rows [4i, 4i + 4) of W (N rows, N a multiple of 4, K a multiple of 256) into
- * out in the Q4_K_R4 layout (ggml_common.h): row_bytes 148 * K / 256 there. */
-int pg_repack_q4_k_r4(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
-    if (N % 4 != 0 || K % 256 != 0 || row_bytes != 144 * (K / 256)) return -1;
-    const int64_t nsb = K / 256, groups = N / 4;
+/* Q4_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256) into
+ * out in the Q4_K_R16 layout (ggml_common.h): row_bytes 148 * K / 256 there. */
+int pg_repack_q4_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    if (N % 16 != 0 || K % 256 != 0 || row_bytes != 144 * (K / 256)) return -1;
+    const int64_t nsb = K / 256, groups = N / 16;
 #pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
     for (int64_t i = 0; i < groups; i++) {
         for (int64_t sb = 0; sb < nsb; sb++) {
-            uint8_t *o = out + (i * nsb + sb) * PG_R4_SB;
-            for (int r = 0; r < 4; r++) {
-                const uint8_t *b = W + (4 * i + r) * row_bytes + sb * 144;
+            uint8_t *o = out + (i * nsb + sb) * PG_K16_SB;
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *b = W + (16 * i + r) * row_bytes + sb * 144;
                 memcpy(o + 2 * r, b, 2);
-                memcpy(o + 8 + 2 * r, b + 2, 2);
+                memcpy(o + 32 + 2 * r, b + 2, 2);
                 for (int j = 0; j < 8; j++) {
                     uint8_t sc, m;
                     scale_min_k4(j, b + 4, &sc, &m);
-                    o[PG_R4_SCALES + 4 * j + r] = sc;
-                    o[PG_R4_MINS + 4 * j + r] = m;
+                    o[PG_K16_SCALES + 16 * j + r] = sc;
+                    o[PG_K16_MINS + 16 * j + r] = m;
                     const uint8_t *q = b + 16 + 32 * (j >> 1);
-                    uint8_t *v = o + PG_R4_VALUES + 64 * j + 16 * r; /* pg_r4_values */
-                    for (int k = 0; k < 16; k++) {
+                    for (int k = 0; k < 16; k++) { /* byte k of the row: dword k / 4's byte k % 4 */
                         const int lo = j & 1 ? q[k] >> 4 : q[k] & 0xF;
                         const int hi = j & 1 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
-                        v[k] = (uint8_t)(lo | hi << 4);
+                        o[PG_K16_VALUES + 256 * j + 64 * (k / 4) + 4 * r + k % 4] = (uint8_t)(lo | hi << 4);
                     }
                 }
             }

@@ -44,7 +44,7 @@ static int type_kind(int type, int *off) {
         case I_Q5_0: *off = 16; return SIGNED32;
         case I_Q8_0: case PG_Q8_0_R16: *off = 128; return SIGNED32;
         case I_Q6_K: *off = 32; return SIGNED16;
-        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R4: case PG_Q4_1_R16:
+        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R16: case PG_Q4_1_R16:
             *off = 0;
             return AFFINE;
         default: return -1;
@@ -149,16 +149,17 @@ static void unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *u, fl
     }
 }
 
-/* Group g of row n of a Q4_K_R4 matrix (ggml_common.h), as unpack_group gives Q4_K's. */
-static void unpack_group_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, uint8_t *u,
-                            float *s, float *m) {
-    const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
-    const uint8_t *q = pg_r4_values(b, (int)(n & 3), (int)(g & 7));
+/* Group g of row n of a Q4_K_R16 matrix (ggml_common.h), as unpack_group gives Q4_K's. */
+static void unpack_group_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, uint8_t *u,
+                             float *s, float *m) {
+    const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3);
+    uint8_t q[16];
+    pg_k16_values(b, (int)(n & 15), (int)(g & 7), q);
     for (int i = 0; i < 16; i++) {
         u[i] = q[i] & 0xF;
         u[i + 16] = q[i] >> 4;
     }
-    pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], m);
+    pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], m);
     s[1] = s[0];
 }
 
@@ -172,8 +173,8 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
         for (int64_t g = 0; g < G; g++) {
             uint8_t u[32] = {0};
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
-            if (have && type == PG_Q4_K_R4) {
-                unpack_group_r4(W, row_bytes, r0 + i, g, u, s, &m);
+            if (have && type == PG_Q4_K_R16) {
+                unpack_group_k16(W, row_bytes, r0 + i, g, u, s, &m);
             } else if (have && pg_is_r16(type)) { /* the file's block, put back together */
                 uint8_t block[34];
                 pg_r16_file_block(W, row_bytes, r0 + i, g, pg_r16_base(type), block);
@@ -314,52 +315,28 @@ static inline VNNI512 void transpose_values(uint8_t *t) {
     }
 }
 
-/* Rows [r0, r0 + 16) of a Q4_K_R4 matrix (four groups of four rows) into the tile, a
- * sub-block at a time: each group's 64 bytes hold its four rows' 16 bytes, so a dword
- * transpose within each group, then of 128-bit lanes across the four, puts bytes 4c .. 4c+3
- * of all sixteen rows in one vector (low nibbles: values 4c.., high: 16 + 4c..); the
- * scales and minimums of sixteen rows are one product each. unpack_group_r4's tile. */
-static VNNI512 void unpack_tile_r4(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
-                                   uint8_t *tile) {
+/* Rows [r0, r0 + 16) of a Q4_K_R16 matrix into the tile: each sub-block's four vectors
+ * already hold bytes 4c .. 4c+3 of the sixteen rows, so an AND and a shift give the
+ * tile's eight; the scales and minimums of sixteen rows are one product each.
+ * unpack_group_k16's tile. */
+static VNNI512 void unpack_tile_k16(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
+                                    uint8_t *tile) {
     const int64_t stride = group_bytes(AFFINE);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    /* within a group's 64 bytes (4 rows x 4 dwords): dword c of row r to lane c, place r */
-    const __m512i by_column = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     for (int64_t sb = 0; sb < G / 8; sb++) {
-        const uint8_t *b[4];
-        int64_t dh[4], mh[4];
-        for (int q = 0; q < 4; q++) {
-            b[q] = pg_r4_block(W, row_bytes, r0 + 4 * q, sb);
-            memcpy(&dh[q], b[q], 8);
-            memcpy(&mh[q], b[q] + 8, 8);
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_epi64x(dh[3], dh[2], dh[1], dh[0]));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_set_epi64x(mh[3], mh[2], mh[1], mh[0]));
+        const uint8_t *b = pg_k16_block(W, row_bytes, r0, sb);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         for (int j = 0; j < 8; j++) {
             uint8_t *t = tile + (8 * sb + j) * stride;
-            int32_t sc[4], mn[4];
-            __m512i y[4];
-            for (int q = 0; q < 4; q++) {
-                memcpy(&sc[q], b[q] + PG_R4_SCALES + 4 * j, 4);
-                memcpy(&mn[q], b[q] + PG_R4_MINS + 4 * j, 4);
-                y[q] = _mm512_permutexvar_epi32(by_column, _mm512_loadu_si512(pg_r4_values(b[q], 0, j)));
-            }
-            /* lane c of y[q]: dword c of rows 4q .. 4q+3 */
-            const __m512i p01 = _mm512_shuffle_i32x4(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512i p23 = _mm512_shuffle_i32x4(y[2], y[3], _MM_SHUFFLE(1, 0, 1, 0));
-            const __m512i q01 = _mm512_shuffle_i32x4(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2));
-            const __m512i q23 = _mm512_shuffle_i32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2));
-            const __m512i v[4] = {_mm512_shuffle_i32x4(p01, p23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_i32x4(p01, p23, _MM_SHUFFLE(3, 1, 3, 1)),
-                                  _mm512_shuffle_i32x4(q01, q23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_i32x4(q01, q23, _MM_SHUFFLE(3, 1, 3, 1))};
             for (int c = 0; c < 4; c++) {
-                _mm512_storeu_si512(t + 64 * c, _mm512_and_si512(v[c], low4));
-                _mm512_storeu_si512(t + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v[c], 4), low4));
+                const __m512i v = _mm512_loadu_si512(b + PG_K16_VALUES + 256 * j + 64 * c);
+                _mm512_storeu_si512(t + 64 * c, _mm512_and_si512(v, low4));
+                _mm512_storeu_si512(t + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
             }
             float *f = (float *)(t + 512);
-            const __m128i scv = _mm_set_epi32(sc[3], sc[2], sc[1], sc[0]);
-            const __m128i mnv = _mm_set_epi32(mn[3], mn[2], mn[1], mn[0]);
+            const __m128i scv = _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j));
+            const __m128i mnv = _mm_loadu_si128((const __m128i *)(b + PG_K16_MINS + 16 * j));
             _mm512_storeu_ps(f, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scv))));
             _mm512_storeu_ps(f + 16, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnv))));
         }
@@ -370,8 +347,8 @@ static VNNI512 void unpack_tile_r4(const uint8_t *W, int64_t row_bytes, int64_t 
 static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_t row_bytes,
                                     int64_t N, int64_t r0, int64_t G, uint8_t *tile) {
     const int64_t stride = group_bytes(kind);
-    if (type == PG_Q4_K_R4 && N - r0 >= 16) {
-        unpack_tile_r4(W, row_bytes, r0, G, tile);
+    if (type == PG_Q4_K_R16 && N - r0 >= 16) {
+        unpack_tile_k16(W, row_bytes, r0, G, tile);
         return;
     }
     if (pg_is_r16(type) && N - r0 >= 16) { /* 16 rows already in the tile's order: unpack */
@@ -406,11 +383,13 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
             const int64_t n = r0 + i;
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
             __m256i v = _mm256_setzero_si256();
-            if (n < N && type == PG_Q4_K_R4) { /* row n's 16 bytes of the sub-block */
-                const uint8_t *b = pg_r4_block(W, row_bytes, n, g >> 3);
-                pg_r4_scale_min(b, (int)(n & 3), (int)(g & 7), &s[0], &m);
+            if (n < N && type == PG_Q4_K_R16) { /* row n's 16 bytes of the sub-block */
+                const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3);
+                uint8_t q[16];
+                pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], &m);
                 s[1] = s[0];
-                v = pg_nibbles_32(pg_r4_values(b, (int)(n & 3), (int)(g & 7)));
+                pg_k16_values(b, (int)(n & 15), (int)(g & 7), q);
+                v = pg_nibbles_32(q);
             } else if (n < N && pg_is_r16(type)) {
                 uint8_t block[34];
                 pg_r16_file_block(W, row_bytes, n, g, pg_r16_base(type), block);

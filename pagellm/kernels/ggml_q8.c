@@ -47,7 +47,7 @@ int pg_q8_supported(int type) {
 #ifdef PG_AVX2
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
-        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R4:
+        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R16:
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16:
             return 1;
         default:
@@ -374,20 +374,21 @@ static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, co
     return y;
 }
 
-/* Row n of a Q4_K_R4 matrix (ggml_common.h) with one quantized input row, in scalars:
- * what the AVX2 path runs for it (the AVX-512 kernel is r4_rows). */
-static float dot_r4(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, const int8_t *qx,
-                    const float *dx, const int32_t *sx) {
-    const int r = (int)(n & 3);
+/* Row n of a Q4_K_R16 matrix (ggml_common.h) with one quantized input row, in scalars:
+ * what the AVX2 path runs for it (the AVX-512 kernel is k16_rows). */
+static float dot_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, const int8_t *qx,
+                     const float *dx, const int32_t *sx) {
+    const int r = (int)(n & 15);
     float acc = 0.0f, mins = 0.0f;
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *b = pg_r4_block(W, row_bytes, n, sb);
+        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb);
         for (int j = 0; j < 8; j++) {
             const int64_t g = 8 * sb + j;
-            const uint8_t *q = pg_r4_values(b, r, j);
+            uint8_t q[16];
+            pg_k16_values(b, r, j, q);
             const int8_t *x = qx + 32 * g;
             float d, m;
-            pg_r4_scale_min(b, r, j, &d, &m);
+            pg_k16_scale_min(b, r, j, &d, &m);
             int32_t dot = 0;
             for (int i = 0; i < 16; i++) dot += (q[i] & 0xF) * x[i] + (q[i] >> 4) * x[i + 16];
             acc += d * dx[g] * (float)dot;
@@ -565,66 +566,44 @@ VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, in
     return 1;
 }
 
-/* Q4_K_R4 (ggml_common.h): four weight rows at once. A sub-block's 64 bytes hold 16 bytes
- * of each row; their low nibbles are values 0-15 and high nibbles 16-31, so with x's 16
- * values broadcast to each 128-bit lane one vpdpbusd multiplies 16 values of all four rows,
- * int32 lane 4w + c holding row w's sum over values 4c..4c+3 (and 16 + 4c..). The scales
- * of the four rows come as one vector per four sub-blocks (lanes 4j + w), spread to the
- * product's lanes by a permute. Twice the rate of k45_rows on weights in cache, which
- * lets the memory keep up: the weights 8 KB ahead asked for into L2 (_MM_HINT_T1; into
- * L1 at 4 KB, as the other kernels, it streamed slower than k45_rows). out[w][r]: weight
- * row w against input row r. */
-#define R4_AHEAD 8192
-VNNI512 static ALWAYS_INLINE void r4_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
-                                          const float *dx, const int32_t *sx, int64_t K,
-                                          const int R, float (*out)[ROWS512]) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), quarter = lane_div(2);
-    const __m512i quarter4 = _mm512_add_epi32(quarter, _mm512_set1_epi32(4));
-    __m512 acc[ROWS512][2], mins[ROWS512];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = mins[r] = _mm512_setzero_ps();
+/* Q4_K_R16 (ggml_common.h): sixteen weight rows against R input rows, in the int8 GEMM's
+ * arithmetic. A sub-block's four vectors hold bytes 4c .. 4c+3 of the sixteen rows, so an
+ * AND and a shift give ggml_i8gemm.c's tile (its unpack_tile_k16), and the sixteen
+ * scales and minimums are one product each; every input row then takes pg_tile_row, as
+ * the GEMM's rows_vnni: a row gets the GEMM's numbers whatever the count. The unpacking
+ * (~20 instructions a sub-block) is shared by the input rows, each of which then costs 8
+ * vpdpbusd and ~6 more. acc[r]: the 16 rows against input row r. */
+#define K16_AHEAD 4096
+VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
+                                           const float *dx, const int32_t *sx, int64_t K,
+                                           const int R, __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = w + sb * PG_R4_SB;
-        for (int pf = 0; pf < PG_R4_SB; pf += 64) _mm_prefetch((const char *)b + R4_AHEAD + pf, _MM_HINT_T1);
-        const __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)); /* d 0-3, dmin 0-3 */
-        const __m512 d4 = _mm512_broadcast_f32x4(_mm256_castps256_ps128(dd));
-        const __m512 m4 = _mm512_broadcast_f32x4(_mm256_extractf128_ps(dd, 1));
-#define R4_BYTES(at) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (at)))))
-        const __m512 sc[2] = {_mm512_mul_ps(R4_BYTES(PG_R4_SCALES), d4), _mm512_mul_ps(R4_BYTES(PG_R4_SCALES + 16), d4)};
-        const __m512 mn[2] = {_mm512_mul_ps(R4_BYTES(PG_R4_MINS), m4), _mm512_mul_ps(R4_BYTES(PG_R4_MINS + 16), m4)};
-#undef R4_BYTES
-        __m512 S[ROWS512][2];
-        for (int r = 0; r < R; r++) { /* times x's scales: sub-block j of lane 4j + w */
-            const __m512 dx8 = _mm512_castps256_ps512(_mm256_loadu_ps(dx + r * (K / 32) + 8 * sb));
-            const __m512 xs8 = _mm512_castps256_ps512(sums32(sx + r * (K / 16) + 16 * sb, 8));
-            for (int h = 0; h < 2; h++) {
-                const __m512i at = h ? quarter4 : quarter;
-                const __m512 dxh = _mm512_permutexvar_ps(at, dx8);
-                S[r][h] = _mm512_mul_ps(sc[h], dxh);
-                mins[r] = _mm512_fmadd_ps(_mm512_mul_ps(mn[h], dxh), _mm512_permutexvar_ps(at, xs8), mins[r]);
-            }
-        }
+        const uint8_t *b = w + sb * PG_K16_SB;
+        /* the bytes K16_AHEAD on: [0, PG_K16_VALUES) of them here, each sub-block's 256 below */
+        for (int pf = 0; pf < PG_K16_VALUES; pf += 64) _mm_prefetch((const char *)b + K16_AHEAD + pf, _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         for (int j = 0; j < 8; j++) {
-            const __m512i q = _mm512_loadu_si512(pg_r4_values(b, 0, j)); /* all four rows */
-            const __m512i lo = _mm512_and_si512(q, low4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            const __m512i at = _mm512_add_epi32(quarter, _mm512_set1_epi32(4 * (j & 3)));
-            for (int r = 0; r < R; r++) {
-                const int8_t *x = qx + r * K + 256 * sb + 32 * j;
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x)));
-                p = _mm512_dpbusd_epi32(p, hi, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(x + 16))));
-                acc[r][j & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(at, S[r][j >> 2]),
-                                                acc[r][j & 1]);
+            const uint8_t *v = b + PG_K16_VALUES + 256 * j;
+            for (int pf = 0; pf < 256; pf += 64) _mm_prefetch((const char *)v + K16_AHEAD + pf, _MM_HINT_T0);
+            __m512i t[8];
+            for (int c = 0; c < 4; c++) {
+                const __m512i q = _mm512_loadu_si512(v + 64 * c);
+                t[c] = _mm512_and_si512(q, low4);
+                t[c + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
             }
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j)))));
+            /* minus the minimums, as rows_vnni reads them from the tile */
+            const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + PG_K16_MINS + 16 * j))))));
+            const int64_t g = 8 * sb + j;
+            for (int r = 0; r < R; r++)
+                acc[r] = pg_tile_row(t, s, m, 1, 0, qx + r * K + 32 * g, dx[r * (K / 32) + g],
+                                     sx[r * (K / 16) + 2 * g], sx[r * (K / 16) + 2 * g + 1], acc[r]);
         }
-    }
-    for (int r = 0; r < R; r++) {
-        float a[16], m[16];
-        _mm512_storeu_ps(a, _mm512_add_ps(acc[r][0], acc[r][1]));
-        _mm512_storeu_ps(m, mins[r]);
-        for (int v = 0; v < 4; v++) /* lanes 4v..4v+3: row v's products; v, 4+v, ...: its minimums */
-            out[v][r] = ((a[4 * v] + a[4 * v + 1]) + (a[4 * v + 2] + a[4 * v + 3])) -
-                        ((m[v] + m[4 + v]) + (m[8 + v] + m[12 + v]));
     }
 }
 
@@ -816,10 +795,11 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
     }
 }
 
-/* Weight rows [n0, n1) (multiples of 16) of a 16-row layout against the P quantized rows. */
-VNNI512 static void range_r16(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
-                              int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
-                              int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
+/* Weight rows [n0, n1) (multiples of 16) of a 16-row layout (base: the R16 layouts' file
+ * type, or 1 for Q4_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
+VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+                                int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
+                                int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
     for (int64_t n = n0; n < n1; n += 16) {
         const uint8_t *w16 = W + n * row_bytes;
         for (int64_t m0 = 0; m0 < P; m0 += R16_ROWS) {
@@ -829,7 +809,8 @@ VNNI512 static void range_r16(int base, const uint8_t *W, int64_t row_bytes, int
             const int32_t *sx = SX + m0 * (K / 16);
             __m512 acc[R16_ROWS];
 #define R16_BASES(r)                                                                \
-    (base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                      \
+    (base == 1 ? k16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                        \
+     : base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                    \
      : base == 3 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                    \
                  : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
             switch (R) { /* each count and type compiled apart: unrolled, no masks */
@@ -884,23 +865,10 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
                             const int64_t *yrows) {
     switch (type) {
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16: /* n0, n1: multiples of 16 */
-            range_r16(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
+            range_tiles(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
-        case PG_Q4_K_R4: /* n0, n1: multiples of 4 */
-            for (int64_t n = n0; n < n1; n += 4) {
-                const uint8_t *w = W + n * row_bytes;
-                for (int64_t m0 = 0; m0 < P; m0 += ROWS512) {
-                    const int R = P - m0 < ROWS512 ? (int)(P - m0) : ROWS512;
-                    const int8_t *qx = QX + m0 * K;
-                    const float *dx = DX + m0 * (K / 32);
-                    const int32_t *sx = SX + m0 * (K / 16);
-                    float out[4][ROWS512];
-#define R4(r) r4_rows(w, K / 256, qx, dx, sx, K, r, out)
-                    BY_ROWS(R4)
-#undef R4
-                    for (int v = 0; v < 4; v++) store_sums(out[v], R, m0, levels, Y, ldy, yrows, n + v);
-                }
-            }
+        case PG_Q4_K_R16:
+            range_tiles(1, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
         case Q_Q4_K: case Q_Q5_K: {
             const int8_t *px;
@@ -961,8 +929,8 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      int64_t levels, float *Y, int64_t ldy, const int64_t *yrows,
                      const pg_team *team) {
 #ifdef PG_AVX2
-    int64_t n0, n1; /* Q4_K_R4: whole groups of 4 rows, the R16 layouts of 16 */
-    const int64_t unit = type == PG_Q4_K_R4 ? 4 : pg_is_r16(type) ? 16 : 1;
+    int64_t n0, n1; /* the 16-row layouts: whole groups of 16 rows */
+    const int64_t unit = type == PG_Q4_K_R16 || pg_is_r16(type) ? 16 : 1;
     pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
     n0 *= unit;
     n1 *= unit;
@@ -982,8 +950,8 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
             for (int r = 0; r < R; r++)
-                out[r] = type == PG_Q4_K_R4
-                             ? dot_r4(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
+                out[r] = type == PG_Q4_K_R16
+                             ? dot_k16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
                          : pg_is_r16(type)
                              ? dot_r16(type, W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
@@ -1028,7 +996,7 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4) ||
-        (pg_is_r16(type) && N % 16) || (type == PG_Q4_K_R4 && N % 4))
+        ((pg_is_r16(type) || type == PG_Q4_K_R16) && N % 16))
         return -1;
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {

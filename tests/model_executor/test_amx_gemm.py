@@ -17,9 +17,9 @@ import torch
 from pagellm import kernels
 from pagellm.benchmarks.synthetic_gguf import random_blocks
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
-from tests.model_executor.test_gguf_quantized import _reference, _repack_r4
+from tests.model_executor.test_gguf_quantized import _reference, _repack_k16
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_R4",
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_R16",
          "Q4_0_R16", "Q4_1_R16", "Q8_0_R16"]
 
 
@@ -39,8 +39,8 @@ def _weights(lib, qtype: str, n: int, k: int, rng: np.random.Generator) -> tuple
     data = np.ascontiguousarray(random_blocks(base, n, k, rng))
     ref = _reference(data, base, n, k)
     file_t = int(gguf.GGMLQuantizationType[base])
-    if qtype.endswith("_R4"):
-        return gguf_method.Q4_K_R4_TYPE, _repack_r4(lib, data, n, k), ref
+    if qtype == "Q4_K_R16":
+        return gguf_method.Q4_K_R16_TYPE, _repack_k16(lib, data, n, k), ref
     if qtype.endswith("_R16"):
         t = gguf_method.R16_TYPES[file_t]
         out = np.empty_like(data)
@@ -73,8 +73,6 @@ def test_amx_multiplies_the_bfloat16_weights_and_inputs(lib, qtype: str) -> None
     rng = np.random.default_rng(5)
     k = 512 if "_K" in qtype else 576
     n = 48 if "_R" in qtype else 37
-    if qtype == "Q4_K_R4":
-        n = 44
     t, w, ref = _weights(lib, qtype, n, k, rng)
     got = np.zeros((n, k), dtype=np.uint16)
     assert lib.pg_amx_weights_bf16(t, w.ctypes.data, w.shape[1], n, k, got.ctypes.data) == 0
@@ -97,7 +95,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(lib) -> None:
     """Rows computed among 100 or among 40 others, in another position: the same bits."""
     rng = np.random.default_rng(9)
     n, k = 96, 512
-    t, w, _ = _weights(lib, "Q4_K_R4", n, k, rng)
+    t, w, _ = _weights(lib, "Q4_K_R16", n, k, rng)
     x = rng.standard_normal((100, k)).astype(np.float32)
     full = _gemm_amx(lib, t, w, n, x)
     part = _gemm_amx(lib, t, w, n, x[60:])
@@ -127,7 +125,7 @@ def test_amx_switch_and_refusals(lib) -> None:
     assert lib.pg_gemm_amx(r16, w16.ctypes.data, w16.shape[1], 24, 64, x.data_ptr(), 64, 40, y.data_ptr(), 32) == -1
 
 
-@pytest.mark.parametrize("qtype,act", [("Q4_1_R16", 0), ("Q4_K_R4", 0), ("Q6_K", 1), ("Q8_0", 0)])
+@pytest.mark.parametrize("qtype,act", [("Q4_1_R16", 0), ("Q4_K_R16", 0), ("Q6_K", 1), ("Q8_0", 0)])
 def test_gated_product_is_the_products_then_the_activation(lib, qtype: str, act: int) -> None:
     """pg_gemm_amx_gated (a gated MLP's gate and up products and act(gate) * up in one
     pass) gives the bits of pg_gemm_amx on the gate|up rows followed by the C activation

@@ -143,7 +143,7 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
     quant = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
     flat = get_model(make_model_config(q4_k_m_file), torch.device("cpu"), backend)
     attn = quant.model.layers[0].self_attn
-    q4_k = "Q4_K_R4" if gguf_method.repack_weights() else "Q4_K"  # repacked where q8 runs on VNNI
+    q4_k = "Q4_K_R16" if gguf_method.repack_weights() else "Q4_K"  # repacked where q8 runs on VNNI
     assert [_type_name(g.qtype) for g in attn.qkv_proj.weight_groups] == [q4_k, "Q6_K"]
     assert not any(p.dim() == 2 for p in quant.parameters())  # only norms are float
     checked: set[str] = set()
@@ -153,7 +153,7 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
             continue
         k = module.embedding_dim if hasattr(module, "embedding_dim") else module.in_features
         got = np.concatenate([
-            _r4_reference(g.data, g.rows, k) if g.qtype == gguf_method.Q4_K_R4_TYPE
+            _k16_reference(g.data, g.rows, k) if g.qtype == gguf_method.Q4_K_R16_TYPE
             else _reference(g.data, gguf.GGMLQuantizationType(g.qtype).name, g.rows, k) for g in groups
         ]).astype(np.float32)
         np.testing.assert_array_equal(got, _float_weight(q4_k_m_file, name, flat), err_msg=name)
@@ -166,16 +166,17 @@ def _type_name(qtype: int) -> str:
     return gguf_method.TYPE_NAMES.get(qtype) or gguf.GGMLQuantizationType(qtype).name
 
 
-def _r4_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """float32 [rows, k] of a Q4_K_R4 matrix (pagellm/kernels/ggml_common.h), in numpy, by
+def _k16_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """float32 [rows, k] of a Q4_K_R16 matrix (pagellm/kernels/ggml_common.h), in numpy, by
     the operations of gguf's Q4_K dequantization: (d * scale) * q - dmin * min."""
-    nsb, groups = k // 256, rows // 4
-    b = np.ascontiguousarray(data).reshape(groups, nsb, 592)
-    d = b[..., 0:8].copy().view(np.float16).astype(np.float32)  # [group, sb, row]
-    dmin = b[..., 8:16].copy().view(np.float16).astype(np.float32)
-    sc = b[..., 16:48].reshape(groups, nsb, 8, 4).astype(np.float32)  # [group, sb, j, row]
-    mn = b[..., 48:80].reshape(groups, nsb, 8, 4).astype(np.float32)
-    qs = b[..., 80:].reshape(groups, nsb, 8, 4, 16)
+    nsb, groups = k // 256, rows // 16
+    b = np.ascontiguousarray(data).reshape(groups, nsb, 2368)
+    d = b[..., 0:32].copy().view(np.float16).astype(np.float32)  # [group, sb, row]
+    dmin = b[..., 32:64].copy().view(np.float16).astype(np.float32)
+    sc = b[..., 64:192].reshape(groups, nsb, 8, 16).astype(np.float32)  # [group, sb, j, row]
+    mn = b[..., 192:320].reshape(groups, nsb, 8, 16).astype(np.float32)
+    # values: [group, sb, j, c, row, 4 bytes] -> row r's 16 bytes, byte 4c + i
+    qs = b[..., 320:].reshape(groups, nsb, 8, 4, 16, 4).transpose(0, 1, 2, 4, 3, 5).reshape(groups, nsb, 8, 16, 16)
     q = np.concatenate([qs & 0xF, qs >> 4], -1).astype(np.float32)  # [group, sb, j, row, 32]
     w = (d[:, :, None, :] * sc)[..., None] * q - (dmin[:, :, None, :] * mn)[..., None]
     return w.transpose(0, 3, 1, 2, 4).reshape(rows, k)
@@ -433,50 +434,54 @@ def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_q8_supported(t)
 
 
-def _repack_r4(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
+def _repack_k16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
     out = np.empty((n, 148 * (k // 256)), dtype=np.uint8)
-    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
+    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
     return out
 
 
-def test_q4_k_r4_repack_holds_the_same_weights(q8_isa: Any) -> None:
-    """Q4_K rows repacked four at a time (Q4_K_R4, what the loader does where the int8
-    kernels run on AVX-512 VNNI): its rows dequantize to Q4_K's bit for bit, its int8
+def test_q4_k_r16_repack_holds_the_same_weights(q8_isa: Any) -> None:
+    """Q4_K rows repacked sixteen at a time (Q4_K_R16, what the loader does where the int8
+    kernels run on AVX-512 VNNI): its rows dequantize to Q4_K's bit for bit; its int8
     products equal (1e-5) the numpy model for 1-16 input rows and two levels (on the AVX-512
-    kernel four weight rows at a time, on the AVX2 path in scalars), its float32 rows equal
-    Q4_K's bit for bit; row counts that are not a multiple of 4 and K that is not a
-    multiple of 256 are refused, and the loader keeps such groups as Q4_K."""
+    kernel with the int8 GEMM's tile arithmetic, on the AVX2 path in scalars), and an input
+    row's result does not depend on the other rows; its float32 rows equal Q4_K's bit for
+    bit; row counts that are not a multiple of 16 and K that is not a multiple of 256 are
+    refused, and the loader keeps such groups as Q4_K."""
     lib = q8_isa
     rng = np.random.default_rng(21)
-    n, k = 44, 768  # 11 groups of 4 rows (2 int8-GEMM tiles and a short one); 3 super-blocks
+    n, k = 48, 768  # 3 groups of 16 rows; 3 super-blocks
     data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
-    r4 = _repack_r4(lib, data, n, k)
-    np.testing.assert_array_equal(_r4_reference(r4, n, k), _reference(data, "Q4_K", n, k))
-    q4k_t, r4_t = int(gguf.GGMLQuantizationType.Q4_K), gguf_method.Q4_K_R4_TYPE
-    ids = torch.tensor([0, 5, 43, 6, 7], dtype=torch.int64)
+    k16 = _repack_k16(lib, data, n, k)
+    np.testing.assert_array_equal(_k16_reference(k16, n, k), _reference(data, "Q4_K", n, k))
+    q4k_t, k16_t = int(gguf.GGMLQuantizationType.Q4_K), gguf_method.Q4_K_R16_TYPE
+    ids = torch.tensor([0, 5, 43, 6, 17], dtype=torch.int64)
     a, b = torch.empty(5, k), torch.empty(5, k)
     assert lib.pg_dequant_rows(q4k_t, data.ctypes.data, data.shape[1], k, ids.data_ptr(), 0, 5, a.data_ptr()) == 0
-    assert lib.pg_dequant_rows(r4_t, r4.ctypes.data, r4.shape[1], k, ids.data_ptr(), 0, 5, b.data_ptr()) == 0
+    assert lib.pg_dequant_rows(k16_t, k16.ctypes.data, k16.shape[1], k, ids.data_ptr(), 0, 5, b.data_ptr()) == 0
     assert torch.equal(a, b)
     ref = _reference(data, "Q4_K", n, k)
-    q4k, packed = [gguf_method.WeightGroup(q4k_t, data, 0, n)], [gguf_method.WeightGroup(r4_t, r4, 0, n)]
+    q4k, packed = [gguf_method.WeightGroup(q4k_t, data, 0, n)], [gguf_method.WeightGroup(k16_t, k16, 0, n)]
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(100))
+    alone = {levels: torch.cat([gguf_method.gguf_matmul(packed, x[i : i + 1], n, slice(0, 1), int8_levels=levels)
+                                for i in range(16)]) for levels in (1, 2)}
     for m in (1, 2, 3, 4, 5, 9, 16):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 100))
         for levels in (1, 2):
-            y = gguf_method.gguf_matmul(packed, x, n, slice(0, m), int8_levels=levels).numpy()
-            first = _round_activations(x.numpy(), 32)
-            want = first if levels == 1 else first + _round_activations((x.numpy() - first).astype(np.float32), 32)
+            y = gguf_method.gguf_matmul(packed, x[:m], n, slice(0, m), int8_levels=levels)
+            assert torch.equal(y, alone[levels][:m]), (m, levels)
+            first = _round_activations(x[:m].numpy(), 32)
+            want = first if levels == 1 else first + _round_activations((x[:m].numpy() - first).astype(np.float32), 32)
             want = want @ ref.T
-            assert np.linalg.norm(y - want) <= 1e-5 * np.linalg.norm(want), (m, levels)
+            assert np.linalg.norm(y.numpy() - want) <= 1e-5 * np.linalg.norm(want), (m, levels)
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(7))  # float32 rows: tiles
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
     bad = np.empty((n, 148 * 3), dtype=np.uint8)
-    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], 42, k, bad.ctypes.data) == -1
-    assert lib.pg_repack_q4_k_r4(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
-    odd = gguf_method.WeightGroup(q4k_t, data[:42], 0, 42)
+    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], 44, k, bad.ctypes.data) == -1
+    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
+    odd = gguf_method.WeightGroup(q4k_t, data[:44], 0, 44)
     assert gguf_method._repacked(odd, k) is odd
-    assert gguf_method._repacked(q4k[0], k).qtype == r4_t
+    assert gguf_method._repacked(q4k[0], k).qtype == k16_t
 
 
 def test_simd_quantization_gives_the_portable_bytes() -> None:
@@ -570,7 +575,7 @@ def test_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
 
 
 def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K linears become Q4_K_R4 at load where q8 runs on AVX-512 VNNI (the load line says
+    """Q4_K linears become Q4_K_R16 at load where q8 runs on AVX-512 VNNI (the load line says
     so); PAGELLM_GGUF_REPACK=0 and the exact path keep the file's Q4_K."""
     from pagellm.model_executor.loader import weights_summary
 
@@ -590,7 +595,7 @@ def test_repack_switch(q4_k_m_file: str, monkeypatch: pytest.MonkeyPatch) -> Non
         pytest.skip("this CPU has no AVX-512 VNNI (avx512vnni, avx512bw, avx512vl, avx512dq): "
                     "nothing is repacked")
     names, summary = types(gguf_activations="q8")
-    assert names == ["Q4_K_R4", "Q4_K_R4"] and "Q4_K_R4 x" in summary
+    assert names == ["Q4_K_R16", "Q4_K_R16"] and "Q4_K_R16 x" in summary
 
 
 def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_path: str) -> None:
@@ -617,7 +622,7 @@ def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_
     assert torch.equal(model.model.embed_tokens(ids), exact.model.embed_tokens(ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R4", "Q8_0_R16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R16", "Q8_0_R16"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
     (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
@@ -629,9 +634,10 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
         pytest.skip("one thread: nothing is split")
     rng = np.random.default_rng(3)
     k, n = 1024, 4100
-    if qtype == "Q4_K_R4":  # Q4_K repacked: chunks of whole groups of 4 rows
-        data = _repack_r4(lib, np.ascontiguousarray(random_blocks("Q4_K", n, k, rng)), n, k)
-        t = gguf_method.Q4_K_R4_TYPE
+    if qtype == "Q4_K_R16":  # Q4_K repacked: chunks of whole groups of 16 rows
+        n = 4112
+        data = _repack_k16(lib, np.ascontiguousarray(random_blocks("Q4_K", n, k, rng)), n, k)
+        t = gguf_method.Q4_K_R16_TYPE
     elif qtype == "Q8_0_R16":  # Q8_0 repacked: chunks of whole groups of 16 rows
         n = 4112
         plain = np.ascontiguousarray(random_blocks("Q8_0", n, k, rng))

@@ -337,27 +337,26 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
 
 Q4_K_TYPE = 12
-Q4_K_R4_TYPE = 112
-"""Q4_K rows repacked four at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R4): not a ggml
-type; the kernels read it wherever they read Q4_K."""
+Q4_K_R16_TYPE = 113
+"""Q4_K rows repacked sixteen at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R16): not a
+ggml type; the kernels read it wherever they read Q4_K."""
 
 R16_TYPES = {2: 102, 3: 103, 8: 108}
 """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
 file's type -> pagellm's layout, read by the kernels wherever they read the file's type."""
 
-TYPE_NAMES = {Q4_K_R4_TYPE: "Q4_K_R4",
+TYPE_NAMES = {Q4_K_R16_TYPE: "Q4_K_R16",
               **{r16: f"{gguf.GGMLQuantizationType(t).name}_R16" for t, r16 in R16_TYPES.items()}}
 """Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
 
 
 def repack_weights() -> bool:
-    """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K as
-    Q4_K_R4, Q4_0 / Q4_1 / Q8_0 as their R16 layouts): where those kernels run on AVX-512
-    VNNI. Q4_K_R4's kernel multiplies four weight rows per instruction and unpacks their
-    scales once (twice Q4_K's rate on weights in cache, a decode step of the 1B-shaped file
-    ~1.1x); the R16 kernels sixteen, with no per-row scale permutes: each extra row of a
-    step (a speculative verify run, a batch) costs a fraction of what it did
-    (benchmarks/README.md). PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
+    """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K, Q4_0,
+    Q4_1 and Q8_0 as their 16-row layouts): where those kernels run on AVX-512 VNNI. A
+    block of sixteen rows is then the int8 GEMM's tile after an AND and a shift, multiplied
+    by each input row with no per-row scale permutes: each extra row of a step (a
+    speculative verify run, a batch) costs a fraction of what it did (benchmarks/README.md).
+    PAGELLM_GGUF_REPACK=0 keeps the file's layout."""
     from pagellm import envs
 
     lib = load_kernels()
@@ -365,15 +364,15 @@ def repack_weights() -> bool:
 
 
 def _repacked(group: WeightGroup, k: int) -> WeightGroup:
-    """A Q4_K group as Q4_K_R4, a Q4_0 / Q4_1 / Q8_0 one in its 16-row layout, in memory of
+    """A Q4_K, Q4_0, Q4_1 or Q8_0 group in its 16-row layout, in memory of
     its own (other groups, and groups whose rows do not fill the layout's, as they are); the
     file's pages it was read from are released from this process (the page cache keeps
     them), so memory stays ~ the file's."""
     lib = _kernels()
-    if group.qtype == Q4_K_TYPE and group.rows % 4 == 0 and k % 256 == 0:
+    if group.qtype == Q4_K_TYPE and group.rows % 16 == 0 and k % 256 == 0:
         out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
-        failed = lib.pg_repack_q4_k_r4(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
-        qtype = Q4_K_R4_TYPE
+        failed = lib.pg_repack_q4_k_r16(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+        qtype = Q4_K_R16_TYPE
     elif group.qtype in R16_TYPES and group.rows % 16 == 0 and k % 32 == 0:
         out = np.empty_like(group.data)
         qtype = R16_TYPES[group.qtype]
@@ -444,7 +443,7 @@ def int8_gemm_rows(m: int) -> bool:
 
 def _rows_view(groups: list[WeightGroup], start: int, rows: int) -> tuple[int, int, int] | None:
     """(type, pointer, row bytes) of output rows [start, start + rows) where one group
-    holds them from a whole bundle of its layout (16 rows of R16, 4 of Q4_K_R4), else None."""
+    holds them from a whole bundle of its 16-row layout, else None."""
     for g in groups:
         if g.row_start <= start and start + rows <= g.row_start + g.rows and (start - g.row_start) % 16 == 0:
             return g.qtype, g.ptr + (start - g.row_start) * g.row_bytes, g.row_bytes
