@@ -76,6 +76,7 @@ class Pagellm:
         self.engine = self.llm.llm_engine
         self.count = 0
         self.speculates = spec is not None
+        self.last_spec: dict[str, int] = {}
 
     def spec_totals(self) -> dict[str, int]:
         """Verify runs, proposed and accepted tokens, draft forwards since start."""
@@ -83,6 +84,7 @@ class Pagellm:
 
     def _run(self, prompt: Any, params: Any) -> tuple[float, int]:
         self.count += 1
+        before = self.spec_totals()
         self.engine.add_request(f"r{self.count}", prompt, params)
         first = last = None
         n = 0
@@ -93,6 +95,8 @@ class Pagellm:
                 if got > n:
                     first = first if first is not None else now
                     last, n = now, got
+        after = self.spec_totals()
+        self.last_spec = {k: after[k] - before[k] for k in after}  # this request's verify runs
         return ((n - 1) / (last - first) if n > 1 and last > first else float("nan")), n
 
     def grounded(self, passage: str, max_tokens: int) -> tuple[float, int]:
@@ -156,6 +160,16 @@ class LlamaServer:
         self.proc.wait(30)
 
 
+def projected_speedup(tokens: int, spec: dict[str, int], step_ms: float, row_ms: float) -> float:
+    """One request's decode speedup over plain decoding on a model whose one-row step takes
+    step_ms and each extra row of a step row_ms, had it made this request's verify runs: its
+    tokens - 1 decoded tokens took tokens - 1 - accepted steps, which carried every proposal
+    as an extra row."""
+    decoded = tokens - 1
+    steps = decoded - spec["num_accepted_tokens"]
+    return decoded * step_ms / (steps * step_ms + spec["num_draft_tokens"] * row_ms)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a GGUF file or compare.py's names (default: the default model)")
@@ -173,7 +187,12 @@ def main() -> int:
     p.add_argument("--passage-chars", type=int, default=700)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--project-steps", default=None, metavar="T1,DELTA",
+                   help="also print the speedup each speculating request's verify runs would give on a "
+                        "model whose one-row step takes T1 ms and each extra row DELTA ms (e.g. a larger "
+                        "file whose own acceptance means nothing, measured apart)")
     args = p.parse_args()
+    project = tuple(float(v) for v in args.project_steps.split(",")) if args.project_steps else None
     model = compare.resolve_model(args.model)
     spec = json.loads(args.spec_config)
     texts = passages(args.passages, args.passage_chars)
@@ -188,6 +207,7 @@ def main() -> int:
         systems["llamacpp-ngram"] = LlamaServer(args.llama_server, model, args.llama_spec_args.split())
     rates: dict[tuple[str, str], list[float]] = {}
     lengths: dict[tuple[str, str], list[int]] = {}
+    projected: dict[tuple[str, str], list[float]] = {}
     try:
         for system in systems.values():  # warm-up: kernels, caches, first allocations
             system.stream(8)
@@ -202,6 +222,9 @@ def main() -> int:
                         rates.setdefault((name, workload), []).append(rate)
                         lengths.setdefault((name, workload), []).append(n)
                         print(f"round {r} {workload}{i} {name:15s} {rate:7.1f} tok/s ({n} tokens)", flush=True)
+                        if project and isinstance(s, Pagellm) and s.speculates and n > 1:
+                            projected.setdefault((name, workload), []).append(
+                                projected_speedup(n, s.last_spec, *project))
         totals = {name: {"draft_n_accepted": s.accepted[0], "draft_n": s.accepted[1]}
                   for name, s in systems.items() if isinstance(s, LlamaServer) and s.accepted[1]}
         pagellm_totals = {name: s.spec_totals() for name, s in systems.items()
@@ -225,8 +248,12 @@ def main() -> int:
     for name, t in pagellm_totals.items():  # warm-up included
         print(f"{name}: {t['num_accepted_tokens']} of {t['num_draft_tokens']} proposals accepted in "
               f"{t['num_drafts']} verify runs; {t['draft_forwards']} draft forwards")
+    for (name, workload), values in projected.items():
+        print(f"{name} {workload}: x{statistics.median(values):.2f} over plain projected on a "
+              f"{project[0]:g} ms step + {project[1]:g} ms per extra row (median of {len(values)} requests)")
     result = {"machine": compare.describe_machine(quick=True), "model": model, "args": vars(args),
-              "rows": rows, "llamacpp_drafts": totals, "pagellm_spec_totals": pagellm_totals}
+              "rows": rows, "llamacpp_drafts": totals, "pagellm_spec_totals": pagellm_totals,
+              "projected_over_plain": {f"{n}/{w}": v for (n, w), v in projected.items()}}
     out = Path(__file__).resolve().parent / "results" / f"spec-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=1))
     print(f"\nresults: {out}")

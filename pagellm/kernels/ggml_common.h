@@ -51,6 +51,55 @@ static inline const uint8_t *pg_k16_block(const uint8_t *W, int64_t row_bytes, i
     return W + (n >> 4) * 16 * row_bytes + sb * PG_K16_SB;
 }
 
+/* Q6_K weights repacked at load, sixteen rows at a time (pg_repack_q6_k_r16, ggml_cpu.c),
+ * for the int8 kernels: not a ggml type. A value is u - 32, u of 6 bits; a scale (int8)
+ * per 16 values. Per group of 16 rows and super-block of 256 values, PG_Q6_16_SB bytes:
+ *   [0, 32)      d of rows 0-15 (float16)
+ *   [32, 288)    scale of values 16s .. 16s+15, row r at 32 + 16s + r (int8)
+ *   [288, 3360)  32-value group j's 384 bytes at 288 + 384j:
+ *                [0, 256): four vectors, vector c holding bytes 4c .. 4c+3 of each row (row
+ *                r at 64c + 4r), a row's byte i = low 4 bits of value i | of value 16 + i << 4;
+ *                [256, 384): two vectors of the values' top 2 bits, vector a's byte at
+ *                4r + k holding those of values 8a + k, 8a + 4 + k, 16 + 8a + k and
+ *                16 + 8a + 4 + k (bits 0-1, 2-3, 4-5, 6-7)
+ * so that a group of the sixteen rows is the int8 GEMM's tile (ggml_i8gemm.c) after ANDs,
+ * shifts and ORs, and its 2 x 16 scales are two 16-byte loads. `row_bytes` stays Q6_K's 210
+ * per super-block; row n lies in the group starting at row n - n % 16. */
+#define PG_Q6_K_R16 114
+#define PG_Q6_16_SB 3360
+#define PG_Q6_16_SCALES 32
+#define PG_Q6_16_VALUES 288
+
+static inline const uint8_t *pg_q6_16_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
+    return W + (n >> 4) * 16 * row_bytes + sb * PG_Q6_16_SB;
+}
+
+/* The 6-bit value v (0-255) of a Q6_K super-block b as the file stores it. */
+static inline int pg_q6_k_value(const uint8_t *b, int v) {
+    const int h = v >> 7, t = (v >> 5) & 3, l = v & 31;
+    const uint8_t q = b[64 * h + 32 * (t & 1) + l];
+    return (t >= 2 ? q >> 4 : q & 0xF) | ((b[128 + 32 * h + l] >> (2 * t)) & 3) << 4;
+}
+
+/* Super-block sb of row n of a Q6_K_R16 matrix as the file stored it (210 bytes into out). */
+static inline void pg_q6_16_file_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb,
+                                       uint8_t *out) {
+    const uint8_t *b = pg_q6_16_block(W, row_bytes, n, sb);
+    const int r = (int)(n & 15);
+    memset(out, 0, 192);
+    for (int v = 0; v < 256; v++) {
+        const int j = v >> 5, i = v & 31, c = (i & 15) >> 2, k = i & 3, a = c >> 1;
+        const uint8_t *g = b + PG_Q6_16_VALUES + 384 * j;
+        const int low = (g[64 * c + 4 * r + k] >> (i >= 16 ? 4 : 0)) & 0xF;
+        const int top = (g[256 + 64 * a + 4 * r + k] >> (2 * (c & 1) + (i >= 16 ? 4 : 0))) & 3;
+        const int h = v >> 7, t = (v >> 5) & 3, l = v & 31;
+        out[64 * h + 32 * (t & 1) + l] |= (uint8_t)(low << (t >= 2 ? 4 : 0));
+        out[128 + 32 * h + l] |= (uint8_t)(top << (2 * t));
+    }
+    for (int s = 0; s < 16; s++) out[192 + s] = b[PG_Q6_16_SCALES + 16 * s + r];
+    memcpy(out + 208, b + 2 * r, 2);
+}
+
 /* Q4_0, Q4_1 and Q8_0 weights repacked at load, sixteen rows at a time (pg_repack_r16,
  * ggml_cpu.c), for the int8 decode kernels: not ggml types (100 + the file's type). Per
  * group of 16 rows and block of 32 values, 16 times the file's block bytes:
@@ -120,6 +169,40 @@ PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row(
     sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(off * (s0 + s1)));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc);
 }
+
+/* pg_tile_row for types scaled per 16 values (Q6_K): the sums of values 0-15 and 16-31
+ * each less the zero point times their inputs' sum, each times its scales (s, s2). */
+PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row16(
+    const __m512i *w, __m512 s, __m512 s2, int off, const int8_t *x, float dg, int32_t s0,
+    int32_t s1, __m512 acc) {
+    const pg_i32u *x4 = (const pg_i32u *)x; /* broadcast from memory */
+    __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
+    __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(x4[4]));
+    for (int c = 1; c < 4; c++) {
+        lo = _mm512_dpbusd_epi32(lo, w[c], _mm512_set1_epi32(x4[c]));
+        hi = _mm512_dpbusd_epi32(hi, w[c + 4], _mm512_set1_epi32(x4[c + 4]));
+    }
+    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * s0));
+    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * s1));
+    const __m512 dv = _mm512_set1_ps(dg);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s, dv), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s2, dv), acc);
+}
+
+/* Group j of a Q6_K_R16 super-block (g: its 384 bytes) as the int8 GEMM's tile: the
+ * values' low 4 bits from the four vectors, their top 2 from the two after them. */
+PG_VNNI512 static inline __attribute__((always_inline)) void pg_q6_16_tile(const uint8_t *g, __m512i *t) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), top2 = _mm512_set1_epi8(0x30);
+    for (int a = 0; a < 2; a++) {
+        const __m512i h = _mm512_loadu_si512(g + 256 + 64 * a);
+        const __m512i v0 = _mm512_loadu_si512(g + 128 * a), v1 = _mm512_loadu_si512(g + 128 * a + 64);
+        t[2 * a] = _mm512_or_si512(_mm512_and_si512(v0, low4), _mm512_and_si512(_mm512_slli_epi16(h, 4), top2));
+        t[2 * a + 1] = _mm512_or_si512(_mm512_and_si512(v1, low4), _mm512_and_si512(_mm512_slli_epi16(h, 2), top2));
+        t[2 * a + 4] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), _mm512_and_si512(h, top2));
+        t[2 * a + 5] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low4),
+                                       _mm512_and_si512(_mm512_srli_epi16(h, 2), top2));
+    }
+}
 #endif
 
 /* The float16 at p as a float (F16C where built with it, else by its bits). */
@@ -178,6 +261,24 @@ static inline __m256i pg_bits_to_0x10(uint32_t bits) {
     const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+/* Row r's (0-15) group j (0-7) of Q6_K_R16 super-block b: its 32 values (0-63), gathered
+ * from the group's vectors in the order the file's would give them. */
+static inline __m256i pg_q6_16_values(const uint8_t *b, int r, int j) {
+    const uint8_t *g = b + PG_Q6_16_VALUES + 384 * j;
+    int32_t v[4], t[2];
+    for (int c = 0; c < 4; c++) memcpy(&v[c], g + 64 * c + 4 * r, 4);
+    for (int a = 0; a < 2; a++) memcpy(&t[a], g + 256 + 64 * a + 4 * r, 4);
+    const __m128i low = _mm_setr_epi32(v[0], v[1], v[2], v[3]), mask = _mm_set1_epi8(0x0F);
+    /* value i's top bits: byte i & 3 of t[i >> 3], at bit 2 ((i >> 2) & 1), 4 more for 16 + i */
+    const __m128i x = _mm_shuffle_epi8(_mm_setr_epi32(t[0], t[1], 0, 0),
+                                       _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7));
+    const __m128i first = _mm_blendv_epi8(x, _mm_srli_epi16(x, 2),
+                                          _mm_setr_epi8(0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1));
+    const __m256i top = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(first, 4), first), _mm256_set1_epi8(3));
+    const __m256i values = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(low, 4), mask), _mm_and_si128(low, mask));
+    return _mm256_or_si256(values, _mm256_slli_epi16(top, 4));
 }
 
 static inline float pg_hsum(__m256 s) {

@@ -69,6 +69,7 @@ static void type_traits(int type, int64_t *block, int64_t *bytes) {
         case T_Q6_K: *block = 256; *bytes = 210; return;
         case T_IQ4_XS: *block = 256; *bytes = 136; return;
         case PG_Q4_K_R16: *block = 256; *bytes = 148; return;
+        case PG_Q6_K_R16: *block = 256; *bytes = 210; return;
         case PG_Q4_0_R16: *block = 32; *bytes = 18; return;
         case PG_Q4_1_R16: *block = 32; *bytes = 20; return;
         case PG_Q8_0_R16: *block = 32; *bytes = 34; return;
@@ -448,11 +449,39 @@ static void dequant_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t n
     }
 }
 
+/* Row n of a Q6_K_R16 matrix as K float32 values: Q6_K's in each build (avx_q6_k's
+ * float(u - 32) * (d * scale); the portable build dequantizes the file's blocks put back
+ * together). */
+static void dequant_q6_16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
+#ifdef PG_AVX2
+    const int r = (int)(n & 15);
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        const uint8_t *b = pg_q6_16_block(W, row_bytes, n, sb);
+        const float d = pg_f16(b + 2 * r);
+        const int8_t *sc = (const int8_t *)(b + PG_Q6_16_SCALES) + r;
+        for (int j = 0; j < 8; j++) {
+            __m256 w[4];
+            const __m256i q = _mm256_sub_epi8(pg_q6_16_values(b, r, j), _mm256_set1_epi8(32));
+            i8x32_scaled(q, _mm256_set1_ps(d * sc[16 * (2 * j)]), _mm256_set1_ps(d * sc[16 * (2 * j + 1)]), w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 256 * sb + 32 * j + 8 * i, w[i]);
+        }
+    }
+#else
+    uint8_t block[210];
+    for (int64_t sb = 0; sb < K / 256; sb++) {
+        pg_q6_16_file_block(W, row_bytes, n, sb, block);
+        dequant_row(T_Q6_K, block, 256, out + 256 * sb);
+    }
+#endif
+}
+
 /* Row n of W as K float32 values, whatever the layout. */
 static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
                           float *out) {
     if (type == PG_Q4_K_R16)
         dequant_k16(W, row_bytes, n, K, out);
+    else if (type == PG_Q6_K_R16)
+        dequant_q6_16(W, row_bytes, n, K, out);
     else if (pg_is_r16(type))
         dequant_r16(type, W, row_bytes, n, K, out);
     else
@@ -489,6 +518,32 @@ int pg_repack_q4_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K
                         const int hi = j & 1 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
                         o[PG_K16_VALUES + 256 * j + 64 * (k / 4) + 4 * r + k % 4] = (uint8_t)(lo | hi << 4);
                     }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Q6_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256) into
+ * out in the Q6_K_R16 layout (ggml_common.h): row_bytes stays 210 * K / 256. */
+int pg_repack_q6_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    if (N % 16 != 0 || K % 256 != 0 || row_bytes != 210 * (K / 256)) return -1;
+    const int64_t nsb = K / 256, groups = N / 16;
+#pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
+    for (int64_t i = 0; i < groups; i++) {
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            uint8_t *o = out + (i * nsb + sb) * PG_Q6_16_SB;
+            memset(o + PG_Q6_16_VALUES, 0, PG_Q6_16_SB - PG_Q6_16_VALUES);
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *b = W + (16 * i + r) * row_bytes + sb * 210;
+                memcpy(o + 2 * r, b + 208, 2);
+                for (int s = 0; s < 16; s++) o[PG_Q6_16_SCALES + 16 * s + r] = b[192 + s];
+                for (int v = 0; v < 256; v++) { /* pg_q6_16_file_block's inverse */
+                    const int u = pg_q6_k_value(b, v), j = v >> 5, x = v & 31, c = (x & 15) >> 2, k = x & 3;
+                    uint8_t *g = o + PG_Q6_16_VALUES + 384 * j;
+                    g[64 * c + 4 * r + k] |= (uint8_t)((u & 0xF) << (x >= 16 ? 4 : 0));
+                    g[256 + 64 * (c >> 1) + 4 * r + k] |= (uint8_t)((u >> 4) << (2 * (c & 1) + (x >= 16 ? 4 : 0)));
                 }
             }
         }

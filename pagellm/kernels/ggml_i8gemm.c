@@ -43,7 +43,7 @@ static int type_kind(int type, int *off) {
         case I_Q4_0: case PG_Q4_0_R16: *off = 8; return SIGNED32;
         case I_Q5_0: *off = 16; return SIGNED32;
         case I_Q8_0: case PG_Q8_0_R16: *off = 128; return SIGNED32;
-        case I_Q6_K: *off = 32; return SIGNED16;
+        case I_Q6_K: case PG_Q6_K_R16: *off = 32; return SIGNED16;
         case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R16: case PG_Q4_1_R16:
             *off = 0;
             return AFFINE;
@@ -173,7 +173,11 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
         for (int64_t g = 0; g < G; g++) {
             uint8_t u[32] = {0};
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
-            if (have && type == PG_Q4_K_R16) {
+            if (have && type == PG_Q6_K_R16) { /* the file's super-block, put back together */
+                uint8_t block[210];
+                pg_q6_16_file_block(W, row_bytes, r0 + i, g >> 3, block);
+                unpack_group(I_Q6_K, block, g & 7, u, s, &m);
+            } else if (have && type == PG_Q4_K_R16) {
                 unpack_group_k16(W, row_bytes, r0 + i, g, u, s, &m);
             } else if (have && pg_is_r16(type)) { /* the file's block, put back together */
                 uint8_t block[34];
@@ -343,10 +347,35 @@ static VNNI512 void unpack_tile_k16(const uint8_t *W, int64_t row_bytes, int64_t
     }
 }
 
+/* Rows [r0, r0 + 16) of a Q6_K_R16 matrix into the tile (pg_q6_16_tile), each group's two
+ * halves' scales (d * scale) one product each. */
+static VNNI512 void unpack_tile_q6_16(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
+                                      uint8_t *tile) {
+    const int64_t stride = group_bytes(SIGNED16);
+    for (int64_t sb = 0; sb < G / 8; sb++) {
+        const uint8_t *b = pg_q6_16_block(W, row_bytes, r0, sb);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *t = tile + (8 * sb + j) * stride;
+            __m512i v[8];
+            pg_q6_16_tile(b + PG_Q6_16_VALUES + 384 * j, v);
+            for (int c = 0; c < 8; c++) _mm512_storeu_si512(t + 64 * c, v[c]);
+            float *f = (float *)(t + 512);
+            for (int h = 0; h < 2; h++)
+                _mm512_storeu_ps(f + 16 * h, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(b + PG_Q6_16_SCALES + 16 * (2 * j + h)))))));
+        }
+    }
+}
+
 /* unpack_tile with group_vec: the same tile. */
 static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_t row_bytes,
                                     int64_t N, int64_t r0, int64_t G, uint8_t *tile) {
     const int64_t stride = group_bytes(kind);
+    if (type == PG_Q6_K_R16 && N - r0 >= 16) {
+        unpack_tile_q6_16(W, row_bytes, r0, G, tile);
+        return;
+    }
     if (type == PG_Q4_K_R16 && N - r0 >= 16) {
         unpack_tile_k16(W, row_bytes, r0, G, tile);
         return;
@@ -383,7 +412,11 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
             const int64_t n = r0 + i;
             float s[2] = {0.0f, 0.0f}, m = 0.0f;
             __m256i v = _mm256_setzero_si256();
-            if (n < N && type == PG_Q4_K_R16) { /* row n's 16 bytes of the sub-block */
+            if (n < N && type == PG_Q6_K_R16) {
+                uint8_t block[210];
+                pg_q6_16_file_block(W, row_bytes, n, g >> 3, block);
+                v = group_vec(I_Q6_K, block, g & 7, s, &m);
+            } else if (n < N && type == PG_Q4_K_R16) { /* row n's 16 bytes of the sub-block */
                 const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3);
                 uint8_t q[16];
                 pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], &m);
@@ -427,18 +460,7 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
             const float dg = d[r][g];
             const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
             if (kind == SIGNED16) {
-                __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(x4[0]));
-                __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], _mm512_set1_epi32(x4[4]));
-                for (int c = 1; c < 4; c++) {
-                    lo = _mm512_dpbusd_epi32(lo, w[c], _mm512_set1_epi32(x4[c]));
-                    hi = _mm512_dpbusd_epi32(hi, w[c + 4], _mm512_set1_epi32(x4[c + 4]));
-                }
-                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(off * s0));
-                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(off * s1));
-                const __m512 dv = _mm512_set1_ps(dg);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s, dv), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi),
-                                         _mm512_mul_ps(_mm512_loadu_ps(f + 16), dv), acc[r]);
+                acc[r] = pg_tile_row16(w, s, _mm512_loadu_ps(f + 16), off, q[r] + 32 * g, dg, s0, s1, acc[r]);
                 continue;
             }
             acc[r] = pg_tile_row(w, s, mins, kind == AFFINE, off, q[r] + 32 * g, dg, s0, s1, acc[r]);

@@ -47,7 +47,7 @@ int pg_q8_supported(int type) {
 #ifdef PG_AVX2
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
-        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R16:
+        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R16: case PG_Q6_K_R16:
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16:
             return 1;
         default:
@@ -398,6 +398,20 @@ static float dot_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, 
     return acc - mins;
 }
 
+/* Row n of a Q6_K_R16 matrix with one quantized input row: the file's super-blocks put
+ * back together, then the Q6_K kernel (what the AVX2 path runs for it). */
+static float dot_q6_16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, const int8_t *qx,
+                       const float *dx, const int32_t *sx) {
+    uint8_t blocks[56 * 210]; /* up to K = 14336 at once */
+    float y = 0.0f;
+    for (int64_t sb0 = 0; sb0 < K / 256; sb0 += 56) {
+        const int64_t count = K / 256 - sb0 < 56 ? K / 256 - sb0 : 56;
+        for (int64_t sb = 0; sb < count; sb++) pg_q6_16_file_block(W, row_bytes, n, sb0 + sb, blocks + 210 * sb);
+        y += dot_q6_k(blocks, 8 * count, qx + 256 * sb0, dx + 8 * sb0, sx + 16 * sb0);
+    }
+    return y;
+}
+
 static float dot_row_q8(int type, const uint8_t *row, int64_t groups, const int8_t *qx,
                         const float *dx, const int32_t *sx) {
     switch (type) {
@@ -607,6 +621,35 @@ VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const 
     }
 }
 
+/* Q6_K_R16 (ggml_common.h): sixteen weight rows against R input rows, in the int8 GEMM's
+ * arithmetic (pg_q6_16_tile, then pg_tile_row16 for each input row, as the GEMM's
+ * rows_vnni): a row gets the GEMM's numbers whatever the count. acc[r]: the 16 rows
+ * against input row r. */
+VNNI512 static ALWAYS_INLINE void q6_16_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
+                                             const float *dx, const int32_t *sx, int64_t K,
+                                             const int R, __m512 *acc) {
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = w + sb * PG_Q6_16_SB;
+        for (int pf = 0; pf < PG_Q6_16_VALUES; pf += 64) _mm_prefetch((const char *)b + K16_AHEAD + pf, _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *g = b + PG_Q6_16_VALUES + 384 * j;
+            for (int pf = 0; pf < 384; pf += 64) _mm_prefetch((const char *)g + K16_AHEAD + pf, _MM_HINT_T0);
+            __m512i t[8];
+            pg_q6_16_tile(g, t);
+            const __m512 s0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(b + PG_Q6_16_SCALES + 32 * j)))));
+            const __m512 s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128((const __m128i *)(b + PG_Q6_16_SCALES + 32 * j + 16)))));
+            const int64_t gi = 8 * sb + j;
+            for (int r = 0; r < R; r++)
+                acc[r] = pg_tile_row16(t, s0, s1, 32, qx + r * K + 32 * gi, dx[r * (K / 32) + gi],
+                                       sx[r * (K / 16) + 2 * gi], sx[r * (K / 16) + 2 * gi + 1], acc[r]);
+        }
+    }
+}
+
 /* Q6_K: values u6 - 32, a scale per 16 values. A half super-block's 64 low-bit bytes are
  * one vector whose low nibbles are its values 0-63 and high nibbles 64-127; the 2-bit
  * high parts come from 32 bytes shifted by 0/2 and 4/6. */
@@ -796,7 +839,7 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
 }
 
 /* Weight rows [n0, n1) (multiples of 16) of a 16-row layout (base: the R16 layouts' file
- * type, or 1 for Q4_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
+ * type, 1 for Q4_K_R16, 6 for Q6_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
 VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
                                 int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
                                 int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
@@ -810,6 +853,7 @@ VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, i
             __m512 acc[R16_ROWS];
 #define R16_BASES(r)                                                                \
     (base == 1 ? k16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                        \
+     : base == 6 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                    \
      : base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                    \
      : base == 3 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                    \
                  : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
@@ -867,8 +911,8 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16: /* n0, n1: multiples of 16 */
             range_tiles(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
-        case PG_Q4_K_R16:
-            range_tiles(1, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
+        case PG_Q4_K_R16: case PG_Q6_K_R16:
+            range_tiles(type == PG_Q4_K_R16 ? 1 : 6, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
         case Q_Q4_K: case Q_Q5_K: {
             const int8_t *px;
@@ -930,7 +974,7 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      const pg_team *team) {
 #ifdef PG_AVX2
     int64_t n0, n1; /* the 16-row layouts: whole groups of 16 rows */
-    const int64_t unit = type == PG_Q4_K_R16 || pg_is_r16(type) ? 16 : 1;
+    const int64_t unit = type == PG_Q4_K_R16 || type == PG_Q6_K_R16 || pg_is_r16(type) ? 16 : 1;
     pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
     n0 *= unit;
     n1 *= unit;
@@ -950,7 +994,10 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             const int R = P - m0 < 4 ? (int)(P - m0) : 4;
             float out[4];
             for (int r = 0; r < R; r++)
-                out[r] = type == PG_Q4_K_R16
+                out[r] = type == PG_Q6_K_R16
+                             ? dot_q6_16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
+                                         SX + (m0 + r) * (K / 16))
+                         : type == PG_Q4_K_R16
                              ? dot_k16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
                          : pg_is_r16(type)
@@ -996,7 +1043,7 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4) ||
-        ((pg_is_r16(type) || type == PG_Q4_K_R16) && N % 16))
+        ((pg_is_r16(type) || type == PG_Q4_K_R16 || type == PG_Q6_K_R16) && N % 16))
         return -1;
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {

@@ -143,8 +143,8 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
     quant = get_model(make_model_config(q4_k_m_file, quantization="gguf"), torch.device("cpu"), backend)
     flat = get_model(make_model_config(q4_k_m_file), torch.device("cpu"), backend)
     attn = quant.model.layers[0].self_attn
-    q4_k = "Q4_K_R16" if gguf_method.repack_weights() else "Q4_K"  # repacked where q8 runs on VNNI
-    assert [_type_name(g.qtype) for g in attn.qkv_proj.weight_groups] == [q4_k, "Q6_K"]
+    r16 = "_R16" if gguf_method.repack_weights() else ""  # repacked where q8 runs on VNNI
+    assert [_type_name(g.qtype) for g in attn.qkv_proj.weight_groups] == ["Q4_K" + r16, "Q6_K" + r16]
     assert not any(p.dim() == 2 for p in quant.parameters())  # only norms are float
     checked: set[str] = set()
     for name, module in quant.named_modules():
@@ -154,6 +154,7 @@ def test_layers_keep_blocks_that_dequantize_to_the_float_weights(q4_k_m_file: st
         k = module.embedding_dim if hasattr(module, "embedding_dim") else module.in_features
         got = np.concatenate([
             _k16_reference(g.data, g.rows, k) if g.qtype == gguf_method.Q4_K_R16_TYPE
+            else _q6_16_reference(g.data, g.rows, k) if g.qtype == gguf_method.Q6_K_R16_TYPE
             else _reference(g.data, gguf.GGMLQuantizationType(g.qtype).name, g.rows, k) for g in groups
         ]).astype(np.float32)
         np.testing.assert_array_equal(got, _float_weight(q4_k_m_file, name, flat), err_msg=name)
@@ -179,6 +180,28 @@ def _k16_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
     qs = b[..., 320:].reshape(groups, nsb, 8, 4, 16, 4).transpose(0, 1, 2, 4, 3, 5).reshape(groups, nsb, 8, 16, 16)
     q = np.concatenate([qs & 0xF, qs >> 4], -1).astype(np.float32)  # [group, sb, j, row, 32]
     w = (d[:, :, None, :] * sc)[..., None] * q - (dmin[:, :, None, :] * mn)[..., None]
+    return w.transpose(0, 3, 1, 2, 4).reshape(rows, k)
+
+
+def _q6_16_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """float32 [rows, k] of a Q6_K_R16 matrix (pagellm/kernels/ggml_common.h), in numpy, by
+    the operations of gguf's Q6_K dequantization: d * scale * (u - 32)."""
+    nsb, groups = k // 256, rows // 16
+    b = np.ascontiguousarray(data).reshape(groups, nsb, 3360)
+    d = b[..., 0:32].copy().view(np.float16).astype(np.float32)  # [group, sb, row]
+    sc = b[..., 32:288].copy().view(np.int8).reshape(groups, nsb, 16, 16).astype(np.float32)  # [.., s, row]
+    g = b[..., 288:].reshape(groups, nsb, 8, 384)
+    low = g[..., :256].reshape(groups, nsb, 8, 4, 16, 4)  # [.., j, c, row, k]
+    top = g[..., 256:].reshape(groups, nsb, 8, 2, 16, 4)  # [.., j, a, row, k]
+    u = np.zeros((groups, nsb, 8, 16, 32), dtype=np.int32)  # [.., j, row, value]
+    for c in range(4):
+        for kk in range(4):
+            i = 4 * c + kk
+            t = top[:, :, :, c // 2, :, kk] >> (2 * (c % 2))
+            u[..., i] = (low[:, :, :, c, :, kk] & 0xF) | ((t & 3) << 4)
+            u[..., 16 + i] = (low[:, :, :, c, :, kk] >> 4) | (((t >> 4) & 3) << 4)
+    scale = np.repeat(sc.reshape(groups, nsb, 8, 2, 16).transpose(0, 1, 2, 4, 3), 16, axis=-1)  # [.., j, row, 32]
+    w = d[:, :, None, :, None] * scale * (u - 32).astype(np.float32)
     return w.transpose(0, 3, 1, 2, 4).reshape(rows, k)
 
 
@@ -440,9 +463,21 @@ def _repack_k16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
     return out
 
 
-def test_q4_k_r16_repack_holds_the_same_weights(q8_isa: Any) -> None:
-    """Q4_K rows repacked sixteen at a time (Q4_K_R16, what the loader does where the int8
-    kernels run on AVX-512 VNNI): its rows dequantize to Q4_K's bit for bit; its int8
+def _repack_q6_16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
+    out = np.empty_like(data)
+    assert lib.pg_repack_q6_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
+    return out
+
+
+K_R16 = {"Q4_K": (_repack_k16, _k16_reference, gguf_method.Q4_K_R16_TYPE, "pg_repack_q4_k_r16"),
+         "Q6_K": (_repack_q6_16, _q6_16_reference, gguf_method.Q6_K_R16_TYPE, "pg_repack_q6_k_r16")}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
+    """Q4_K and Q6_K rows repacked sixteen at a time (Q4_K_R16, Q6_K_R16: what the loader
+    does where the int8 kernels run on AVX-512 VNNI): the rows dequantize to the file's bit
+    for bit (and read back as the file's blocks in numpy); the int8
     products equal (1e-5) the numpy model for 1-16 input rows and two levels (on the AVX-512
     kernel with the int8 GEMM's tile arithmetic, on the AVX2 path in scalars), and an input
     row's result does not depend on the other rows; its float32 rows equal Q4_K's bit for
@@ -451,16 +486,17 @@ def test_q4_k_r16_repack_holds_the_same_weights(q8_isa: Any) -> None:
     lib = q8_isa
     rng = np.random.default_rng(21)
     n, k = 48, 768  # 3 groups of 16 rows; 3 super-blocks
-    data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
-    k16 = _repack_k16(lib, data, n, k)
-    np.testing.assert_array_equal(_k16_reference(k16, n, k), _reference(data, "Q4_K", n, k))
-    q4k_t, k16_t = int(gguf.GGMLQuantizationType.Q4_K), gguf_method.Q4_K_R16_TYPE
+    repack, reference, k16_t, repack_fn = K_R16[qtype]
+    data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
+    k16 = repack(lib, data, n, k)
+    np.testing.assert_array_equal(reference(k16, n, k), _reference(data, qtype, n, k))
+    q4k_t = int(gguf.GGMLQuantizationType[qtype])
     ids = torch.tensor([0, 5, 43, 6, 17], dtype=torch.int64)
     a, b = torch.empty(5, k), torch.empty(5, k)
     assert lib.pg_dequant_rows(q4k_t, data.ctypes.data, data.shape[1], k, ids.data_ptr(), 0, 5, a.data_ptr()) == 0
     assert lib.pg_dequant_rows(k16_t, k16.ctypes.data, k16.shape[1], k, ids.data_ptr(), 0, 5, b.data_ptr()) == 0
     assert torch.equal(a, b)
-    ref = _reference(data, "Q4_K", n, k)
+    ref = _reference(data, qtype, n, k)
     q4k, packed = [gguf_method.WeightGroup(q4k_t, data, 0, n)], [gguf_method.WeightGroup(k16_t, k16, 0, n)]
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(100))
     alone = {levels: torch.cat([gguf_method.gguf_matmul(packed, x[i : i + 1], n, slice(0, 1), int8_levels=levels)
@@ -476,9 +512,9 @@ def test_q4_k_r16_repack_holds_the_same_weights(q8_isa: Any) -> None:
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(7))  # float32 rows: tiles
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
-    bad = np.empty((n, 148 * 3), dtype=np.uint8)
-    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], 44, k, bad.ctypes.data) == -1
-    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
+    bad = np.empty((n, 210 * 3), dtype=np.uint8)
+    assert getattr(lib, repack_fn)(data.ctypes.data, data.shape[1], 44, k, bad.ctypes.data) == -1
+    assert getattr(lib, repack_fn)(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
     odd = gguf_method.WeightGroup(q4k_t, data[:44], 0, 44)
     assert gguf_method._repacked(odd, k) is odd
     assert gguf_method._repacked(q4k[0], k).qtype == k16_t
@@ -622,7 +658,7 @@ def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_
     assert torch.equal(model.model.embed_tokens(ids), exact.model.embed_tokens(ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R16", "Q8_0_R16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R16", "Q6_K_R16", "Q8_0_R16"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
     (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
@@ -634,10 +670,10 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
         pytest.skip("one thread: nothing is split")
     rng = np.random.default_rng(3)
     k, n = 1024, 4100
-    if qtype == "Q4_K_R16":  # Q4_K repacked: chunks of whole groups of 16 rows
+    if qtype in ("Q4_K_R16", "Q6_K_R16"):  # repacked: chunks of whole groups of 16 rows
         n = 4112
-        data = _repack_k16(lib, np.ascontiguousarray(random_blocks("Q4_K", n, k, rng)), n, k)
-        t = gguf_method.Q4_K_R16_TYPE
+        repack, _, t, _ = K_R16[qtype[:4]]
+        data = repack(lib, np.ascontiguousarray(random_blocks(qtype[:4], n, k, rng)), n, k)
     elif qtype == "Q8_0_R16":  # Q8_0 repacked: chunks of whole groups of 16 rows
         n = 4112
         plain = np.ascontiguousarray(random_blocks("Q8_0", n, k, rng))

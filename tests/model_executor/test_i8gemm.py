@@ -15,8 +15,7 @@ import torch
 from pagellm import kernels
 from pagellm.benchmarks.synthetic_gguf import random_blocks
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
-from pagellm.model_executor.layers.quantization.gguf import Q4_K_R16_TYPE
-from tests.model_executor.test_gguf_quantized import _reference, _repack_k16, _round_activations
+from tests.model_executor.test_gguf_quantized import K_R16, _reference, _round_activations
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -33,7 +32,7 @@ def _gemm_i8(lib, qtype: str, data: np.ndarray, n: int, x: np.ndarray, wide: boo
     flag.value = int(wide)
     try:
         w = np.ascontiguousarray(data)
-        t = Q4_K_R16_TYPE if qtype == "Q4_K_R16" else int(gguf.GGMLQuantizationType[qtype])
+        t = K_R16[qtype[:4]][2] if qtype.endswith("K_R16") else int(gguf.GGMLQuantizationType[qtype])
         rc = lib.pg_gemm_i8(t, w.ctypes.data, w.shape[1], n, k,
                             qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), m, y.data_ptr(), n + 3)
     finally:
@@ -94,26 +93,28 @@ def test_vnni_kernel_equals_the_portable_loops_and_rows_are_independent(lib, qty
     assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[2:5], wide=True), fast[2:5])
 
 
-def test_q4_k_r16_tiles_equal_q4_k(lib) -> None:
-    """Q4_K repacked sixteen rows at a time (Q4_K_R16) unpacks into the same tiles as Q4_K:
-    the int8 GEMM's products are Q4_K's bit for bit, on the path this CPU runs; and the
-    int8 decode kernel (pg_gemm_q8, one level) gives a row the GEMM's bits, alone or
-    among up to 16."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_r16_tiles_equal_the_files(lib, qtype: str) -> None:
+    """Q4_K / Q6_K repacked sixteen rows at a time (Q4_K_R16, Q6_K_R16) unpack into the same
+    tiles as the file's blocks: the int8 GEMM's products are the file type's bit for bit, on
+    the path this CPU runs; and the int8 decode kernel (pg_gemm_q8, one level) gives a row
+    the GEMM's bits, alone or among up to 16."""
     rng = np.random.default_rng(6)
     k, n = 512, 48
-    data = np.ascontiguousarray(random_blocks("Q4_K", n, k, rng))
-    k16 = _repack_k16(lib, data, n, k)
+    repack, _, t, _ = K_R16[qtype]
+    data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
+    packed = repack(lib, data, n, k)
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(10)).numpy()
-    want = _gemm_i8(lib, "Q4_K", data, n, x, wide=True)
-    assert np.array_equal(_gemm_i8(lib, "Q4_K_R16", k16, n, x, wide=True), want)
-    assert np.array_equal(_gemm_i8(lib, "Q4_K_R16", k16, n, x, wide=False),
-                          _gemm_i8(lib, "Q4_K", data, n, x, wide=False))
+    want = _gemm_i8(lib, qtype, data, n, x, wide=True)
+    assert np.array_equal(_gemm_i8(lib, qtype + "_R16", packed, n, x, wide=True), want)
+    assert np.array_equal(_gemm_i8(lib, qtype + "_R16", packed, n, x, wide=False),
+                          _gemm_i8(lib, qtype, data, n, x, wide=False))
     if lib.pg_q8_isa() != 2:
         return  # the decode kernel's AVX2 path sums in another order
-    group = [gguf_method.WeightGroup(Q4_K_R16_TYPE, k16, 0, n)]
+    group = [gguf_method.WeightGroup(t, packed, 0, n)]
     for rows in (x[:1], x[3:12], x[:16]):
         y = gguf_method.gguf_matmul(group, torch.from_numpy(rows), n, slice(0, len(rows)))
-        assert np.array_equal(y.double().numpy(), _gemm_i8(lib, "Q4_K_R16", k16, n, rows, wide=True))
+        assert np.array_equal(y.double().numpy(), _gemm_i8(lib, qtype + "_R16", packed, n, rows, wide=True))
 
 
 def test_types_without_an_unpacker_are_refused(lib) -> None:
