@@ -189,6 +189,17 @@ PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row16(
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s2, dv), acc);
 }
 
+/* Sub-block j of a Q4_K_R16 super-block (v: its 256 bytes) as the int8 GEMM's tile: an AND
+ * and a shift of each vector (low nibbles: values 4c.., high: 16 + 4c..). */
+PG_VNNI512 static inline __attribute__((always_inline)) void pg_k16_tile(const uint8_t *v, __m512i *t) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m512i q = _mm512_loadu_si512(v + 64 * c);
+        t[c] = _mm512_and_si512(q, low4);
+        t[c + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    }
+}
+
 /* Group j of a Q6_K_R16 super-block (g: its 384 bytes) as the int8 GEMM's tile: the
  * values' low 4 bits from the four vectors, their top 2 from the two after them. */
 PG_VNNI512 static inline __attribute__((always_inline)) void pg_q6_16_tile(const uint8_t *g, __m512i *t) {

@@ -326,18 +326,15 @@ static inline VNNI512 void transpose_values(uint8_t *t) {
 static VNNI512 void unpack_tile_k16(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
                                     uint8_t *tile) {
     const int64_t stride = group_bytes(AFFINE);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int64_t sb = 0; sb < G / 8; sb++) {
         const uint8_t *b = pg_k16_block(W, row_bytes, r0, sb);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         for (int j = 0; j < 8; j++) {
             uint8_t *t = tile + (8 * sb + j) * stride;
-            for (int c = 0; c < 4; c++) {
-                const __m512i v = _mm512_loadu_si512(b + PG_K16_VALUES + 256 * j + 64 * c);
-                _mm512_storeu_si512(t + 64 * c, _mm512_and_si512(v, low4));
-                _mm512_storeu_si512(t + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
-            }
+            __m512i v[8];
+            pg_k16_tile(b + PG_K16_VALUES + 256 * j, v);
+            for (int c = 0; c < 8; c++) _mm512_storeu_si512(t + 64 * c, v[c]);
             float *f = (float *)(t + 512);
             const __m128i scv = _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j));
             const __m128i mnv = _mm_loadu_si128((const __m128i *)(b + PG_K16_MINS + 16 * j));
@@ -456,7 +453,6 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
         const __m512 mins = kind == AFFINE ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(f + 16))
                                            : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const pg_i32u *x4 = (const pg_i32u *)(q[r] + 32 * g); /* broadcast from memory */
             const float dg = d[r][g];
             const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
             if (kind == SIGNED16) {

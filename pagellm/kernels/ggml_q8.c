@@ -591,7 +591,6 @@ VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, in
 VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
                                            const float *dx, const int32_t *sx, int64_t K,
                                            const int R, __m512 *acc) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * PG_K16_SB;
@@ -603,11 +602,7 @@ VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const 
             const uint8_t *v = b + PG_K16_VALUES + 256 * j;
             for (int pf = 0; pf < 256; pf += 64) _mm_prefetch((const char *)v + K16_AHEAD + pf, _MM_HINT_T0);
             __m512i t[8];
-            for (int c = 0; c < 4; c++) {
-                const __m512i q = _mm512_loadu_si512(v + 64 * c);
-                t[c] = _mm512_and_si512(q, low4);
-                t[c + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-            }
+            pg_k16_tile(v, t);
             const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                   _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j)))));
             /* minus the minimums, as rows_vnni reads them from the tile */
