@@ -74,13 +74,6 @@ static inline const uint8_t *pg_q6_16_block(const uint8_t *W, int64_t row_bytes,
     return W + (n >> 4) * 16 * row_bytes + sb * PG_Q6_16_SB;
 }
 
-/* The 6-bit value v (0-255) of a Q6_K super-block b as the file stores it. */
-static inline int pg_q6_k_value(const uint8_t *b, int v) {
-    const int h = v >> 7, t = (v >> 5) & 3, l = v & 31;
-    const uint8_t q = b[64 * h + 32 * (t & 1) + l];
-    return (t >= 2 ? q >> 4 : q & 0xF) | ((b[128 + 32 * h + l] >> (2 * t)) & 3) << 4;
-}
-
 /* Super-block sb of row n of a Q6_K_R16 matrix as the file stored it (210 bytes into out). */
 static inline void pg_q6_16_file_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb,
                                        uint8_t *out) {

@@ -534,16 +534,30 @@ int pg_repack_q6_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K
     for (int64_t i = 0; i < groups; i++) {
         for (int64_t sb = 0; sb < nsb; sb++) {
             uint8_t *o = out + (i * nsb + sb) * PG_Q6_16_SB;
-            memset(o + PG_Q6_16_VALUES, 0, PG_Q6_16_SB - PG_Q6_16_VALUES);
             for (int r = 0; r < 16; r++) {
                 const uint8_t *b = W + (16 * i + r) * row_bytes + sb * 210;
                 memcpy(o + 2 * r, b + 208, 2);
                 for (int s = 0; s < 16; s++) o[PG_Q6_16_SCALES + 16 * s + r] = b[192 + s];
-                for (int v = 0; v < 256; v++) { /* pg_q6_16_file_block's inverse */
-                    const int u = pg_q6_k_value(b, v), j = v >> 5, x = v & 31, c = (x & 15) >> 2, k = x & 3;
+                uint8_t u[256]; /* the values (0-63) in order, four at a time (Q6_K's dequantization) */
+                for (int h = 0; h < 2; h++) {
+                    for (int l = 0; l < 32; l++) {
+                        const int q0 = b[64 * h + l], q1 = b[64 * h + 32 + l], qh = b[128 + 32 * h + l];
+                        u[128 * h + l] = (uint8_t)((q0 & 0xF) | (qh & 3) << 4);
+                        u[128 * h + 32 + l] = (uint8_t)((q1 & 0xF) | ((qh >> 2) & 3) << 4);
+                        u[128 * h + 64 + l] = (uint8_t)((q0 >> 4) | ((qh >> 4) & 3) << 4);
+                        u[128 * h + 96 + l] = (uint8_t)((q1 >> 4) | ((qh >> 6) & 3) << 4);
+                    }
+                }
+                for (int j = 0; j < 8; j++) { /* pg_q6_16_file_block's inverse */
+                    const uint8_t *x = u + 32 * j;
                     uint8_t *g = o + PG_Q6_16_VALUES + 384 * j;
-                    g[64 * c + 4 * r + k] |= (uint8_t)((u & 0xF) << (x >= 16 ? 4 : 0));
-                    g[256 + 64 * (c >> 1) + 4 * r + k] |= (uint8_t)((u >> 4) << (2 * (c & 1) + (x >= 16 ? 4 : 0)));
+                    for (int i = 0; i < 16; i++)
+                        g[64 * (i >> 2) + 4 * r + (i & 3)] = (uint8_t)((x[i] & 0xF) | (x[16 + i] & 0xF) << 4);
+                    for (int a = 0; a < 2; a++)
+                        for (int k = 0; k < 4; k++)
+                            g[256 + 64 * a + 4 * r + k] = (uint8_t)(x[8 * a + k] >> 4 | (x[8 * a + 4 + k] >> 4) << 2 |
+                                                                    (x[16 + 8 * a + k] >> 4) << 4 |
+                                                                    (x[16 + 8 * a + 4 + k] >> 4) << 6);
                 }
             }
         }
