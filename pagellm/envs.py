@@ -140,7 +140,7 @@ _VARS = {
     # argument decides).
     "PAGELLM_GGUF_ACTIVATIONS": lambda: os.environ.get("PAGELLM_GGUF_ACTIVATIONS", ""),
     # Repack GGUF linears at load for the int8 decode kernels, where they run (q8
-    # activations, AVX-512 VNNI): Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 sixteen rows at a time;
+    # activations, AVX-512 VNNI): Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 sixteen rows at a time;
     # off keeps the file's layout (A/B runs).
     "PAGELLM_GGUF_REPACK": lambda: _bool("PAGELLM_GGUF_REPACK", True),
     # Products of 32 rows or more that take the int8 GEMM (long prompt chunks, steps of

@@ -27,28 +27,36 @@ int pg_isa_level(void);
  * ones with VNNI besides, the decode attention) are compiled for; detected once. */
 int pg_avx512_full(void);
 
-/* Q4_K weights repacked at load, sixteen rows at a time (pg_repack_q4_k_r16, ggml_cpu.c),
- * for the int8 kernels: not a ggml type. Per group of 16 rows and super-block of 256
- * values, PG_K16_SB bytes:
+/* Q4_K and Q5_K weights repacked at load, sixteen rows at a time (pg_repack_k_r16,
+ * ggml_cpu.c), for the int8 kernels: not ggml types. Per group of 16 rows and super-block
+ * of 256 values, pg_k16_sb_bytes bytes:
  *   [0, 32)      d of rows 0-15 (float16)     [32, 64)  dmin of rows 0-15
  *   [64, 192)    scale of sub-block j, row r at 64 + 16j + r (6 bits, unpacked)
  *   [192, 320)   minimum of sub-block j, row r at 192 + 16j + r
- *   [320, 2368)  values: sub-block j's 256 bytes at 320 + 256j as four 64-byte vectors,
- *                vector c holding bytes 4c .. 4c+3 of each row (row r at 64c + 4r), where
- *                a row's byte i = value i | value 16 + i << 4
+ *   [320, 2368)  values' low 4 bits: sub-block j's 256 bytes at 320 + 256j as four 64-byte
+ *                vectors, vector c holding bytes 4c .. 4c+3 of each row (row r at 64c + 4r),
+ *                where a row's byte i = value i | value 16 + i << 4
+ *   [2368, 2880) Q5_K only: the values' fifth bits, sub-block j's at 2368 + 64j, the byte at
+ *                4r + k holding in bit u that of the value in lane 4r + k of tile vector u
+ *                (value 4u + k for u < 4, 16 + 4(u - 4) + k after)
  * so that a sub-block of the sixteen rows is the int8 GEMM's tile (ggml_i8gemm.c) after
- * an AND and a shift, and its sixteen scales (minimums) are one 16-byte load. A row's
- * `row_bytes` is 148 per super-block (Q4_K's 144 with the scales unpacked); row n lies in
- * the group starting at row n - n % 16, which holds 16 * row_bytes bytes. */
+ * an AND and a shift (and for Q5_K an OR of the shifted fifth bits), and its sixteen scales
+ * (minimums) are one 16-byte load. A row's `row_bytes` is 148 (Q5_K: 180) per super-block,
+ * the file's with the scales unpacked; row n lies in the group starting at row n - n % 16,
+ * which holds 16 * row_bytes bytes. */
 #define PG_Q4_K_R16 113
-#define PG_K16_SB 2368
+#define PG_Q5_K_R16 115
 #define PG_K16_SCALES 64
 #define PG_K16_MINS 192
 #define PG_K16_VALUES 320
+#define PG_K16_HIGH 2368
+
+static inline int64_t pg_k16_sb_bytes(int five) { return five ? 2880 : 2368; }
 
 /* Super-block sb of the group of rows that holds row n (lane n % 16 in it). */
-static inline const uint8_t *pg_k16_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb) {
-    return W + (n >> 4) * 16 * row_bytes + sb * PG_K16_SB;
+static inline const uint8_t *pg_k16_block(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t sb,
+                                          int five) {
+    return W + (n >> 4) * 16 * row_bytes + sb * pg_k16_sb_bytes(five);
 }
 
 /* Q6_K weights repacked at load, sixteen rows at a time (pg_repack_q6_k_r16, ggml_cpu.c),
@@ -193,6 +201,20 @@ PG_VNNI512 static inline __attribute__((always_inline)) void pg_k16_tile(const u
     }
 }
 
+/* Q5_K_R16: the fifth bits of a sub-block (h: its 64 bytes) into the tile, bit u of each
+ * byte to bit 4 of vector u's (16-bit shifts: no bit that crosses a byte reaches bit 4). */
+PG_VNNI512 static inline __attribute__((always_inline)) void pg_k16_fifth(const uint8_t *h, __m512i *t) {
+    const __m512i bits = _mm512_loadu_si512(h), bit4 = _mm512_set1_epi8(0x10);
+    t[0] = _mm512_or_si512(t[0], _mm512_and_si512(_mm512_slli_epi16(bits, 4), bit4));
+    t[1] = _mm512_or_si512(t[1], _mm512_and_si512(_mm512_slli_epi16(bits, 3), bit4));
+    t[2] = _mm512_or_si512(t[2], _mm512_and_si512(_mm512_slli_epi16(bits, 2), bit4));
+    t[3] = _mm512_or_si512(t[3], _mm512_and_si512(_mm512_slli_epi16(bits, 1), bit4));
+    t[4] = _mm512_or_si512(t[4], _mm512_and_si512(bits, bit4));
+    t[5] = _mm512_or_si512(t[5], _mm512_and_si512(_mm512_srli_epi16(bits, 1), bit4));
+    t[6] = _mm512_or_si512(t[6], _mm512_and_si512(_mm512_srli_epi16(bits, 2), bit4));
+    t[7] = _mm512_or_si512(t[7], _mm512_and_si512(_mm512_srli_epi16(bits, 3), bit4));
+}
+
 /* Group j of a Q6_K_R16 super-block (g: its 384 bytes) as the int8 GEMM's tile: the
  * values' low 4 bits from the four vectors, their top 2 from the two after them. */
 PG_VNNI512 static inline __attribute__((always_inline)) void pg_q6_16_tile(const uint8_t *g, __m512i *t) {
@@ -242,6 +264,17 @@ static inline float pg_f16(const uint8_t *p) {
  * and minimum as Q4_K's dequantization takes them (d * scale, dmin * min). */
 static inline void pg_k16_values(const uint8_t *b, int r, int j, uint8_t *out) {
     for (int c = 0; c < 4; c++) memcpy(out + 4 * c, b + PG_K16_VALUES + 256 * j + 64 * c + 4 * r, 4);
+}
+
+/* Q5_K_R16: the fifth bits of row r's sub-block j, bit i for value i. */
+static inline uint32_t pg_k16_fifth_bits(const uint8_t *b, int r, int j) {
+    const uint8_t *h = b + PG_K16_HIGH + 64 * j + 4 * r;
+    uint32_t bits = 0;
+    for (int i = 0; i < 32; i++) {
+        const int u = i < 16 ? i >> 2 : 4 + ((i - 16) >> 2);
+        bits |= (uint32_t)((h[i & 3] >> u) & 1) << i;
+    }
+    return bits;
 }
 
 static inline void pg_k16_scale_min(const uint8_t *b, int r, int j, float *scale, float *min) {

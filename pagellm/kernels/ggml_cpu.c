@@ -69,6 +69,7 @@ static void type_traits(int type, int64_t *block, int64_t *bytes) {
         case T_Q6_K: *block = 256; *bytes = 210; return;
         case T_IQ4_XS: *block = 256; *bytes = 136; return;
         case PG_Q4_K_R16: *block = 256; *bytes = 148; return;
+        case PG_Q5_K_R16: *block = 256; *bytes = 180; return;
         case PG_Q6_K_R16: *block = 256; *bytes = 210; return;
         case PG_Q4_0_R16: *block = 32; *bytes = 18; return;
         case PG_Q4_1_R16: *block = 32; *bytes = 20; return;
@@ -408,26 +409,28 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
-/* Row n of a Q4_K_R16 matrix as K float32 values: Q4_K's values in each build (avx_q4_k's
- * u * d + -m in one rounding, deq32_q4_k's d * u - m in the portable one). */
-static void dequant_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out) {
+/* Row n of a Q4_K_R16 (Q5_K_R16: five) matrix as K float32 values: the file type's values
+ * in each build (avx_q4_k's / avx_q5_k's u * d + -m in one rounding, the portable d * u - m). */
+static void dequant_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, int five, float *out) {
     const int r = (int)(n & 15);
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb);
+        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb, five);
         for (int j = 0; j < 8; j++) {
             float d, m;
             uint8_t q[16];
             pg_k16_scale_min(b, r, j, &d, &m);
             pg_k16_values(b, r, j, q);
+            const uint32_t fifth = five ? pg_k16_fifth_bits(b, r, j) : 0;
             float *y = out + 256 * sb + 32 * j;
 #ifdef PG_AVX2
             __m256 w[4];
-            u8x32_affine(pg_nibbles_32(q), _mm256_set1_ps(d), _mm256_set1_ps(-m), w);
+            const __m256i u = _mm256_or_si256(pg_nibbles_32(q), pg_bits_to_0x10(fifth));
+            u8x32_affine(u, _mm256_set1_ps(d), _mm256_set1_ps(-m), w);
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(y + 8 * i, w[i]);
 #else
             for (int i = 0; i < 16; i++) {
-                y[i] = d * (q[i] & 0xF) - m;
-                y[i + 16] = d * (q[i] >> 4) - m;
+                y[i] = d * ((q[i] & 0xF) | ((fifth >> i) & 1) << 4) - m;
+                y[i + 16] = d * ((q[i] >> 4) | ((fifth >> (16 + i)) & 1) << 4) - m;
             }
 #endif
         }
@@ -478,8 +481,8 @@ static void dequant_q6_16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_
 /* Row n of W as K float32 values, whatever the layout. */
 static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
                           float *out) {
-    if (type == PG_Q4_K_R16)
-        dequant_k16(W, row_bytes, n, K, out);
+    if (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)
+        dequant_k16(W, row_bytes, n, K, type == PG_Q5_K_R16, out);
     else if (type == PG_Q6_K_R16)
         dequant_q6_16(W, row_bytes, n, K, out);
     else if (pg_is_r16(type))
@@ -494,17 +497,23 @@ void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, in
     dequant_row_n(type, W, row_bytes, n, K, out);
 }
 
-/* Q4_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256) into
- * out in the Q4_K_R16 layout (ggml_common.h): row_bytes 148 * K / 256 there. */
-int pg_repack_q4_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
-    if (N % 16 != 0 || K % 256 != 0 || row_bytes != 144 * (K / 256)) return -1;
+/* Q4_K or Q5_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256)
+ * into out in the Q4_K_R16 / Q5_K_R16 layout (ggml_common.h): row_bytes 148 (180) * K / 256
+ * there. type: the file's (12 or 13). */
+int pg_repack_k_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    const int five = type == 13;
+    const int64_t file_bytes = five ? 176 : 144, sb_bytes = pg_k16_sb_bytes(five);
+    if ((type != 12 && type != 13) || N % 16 != 0 || K % 256 != 0 || row_bytes != file_bytes * (K / 256))
+        return -1;
     const int64_t nsb = K / 256, groups = N / 16;
 #pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
     for (int64_t i = 0; i < groups; i++) {
         for (int64_t sb = 0; sb < nsb; sb++) {
-            uint8_t *o = out + (i * nsb + sb) * PG_K16_SB;
+            uint8_t *o = out + (i * nsb + sb) * sb_bytes;
+            if (five) memset(o + PG_K16_HIGH, 0, 512);
             for (int r = 0; r < 16; r++) {
-                const uint8_t *b = W + (16 * i + r) * row_bytes + sb * 144;
+                const uint8_t *b = W + (16 * i + r) * row_bytes + sb * file_bytes;
+                const uint8_t *qs = b + (five ? 48 : 16), *qh = b + 16;
                 memcpy(o + 2 * r, b, 2);
                 memcpy(o + 32 + 2 * r, b + 2, 2);
                 for (int j = 0; j < 8; j++) {
@@ -512,12 +521,17 @@ int pg_repack_q4_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K
                     scale_min_k4(j, b + 4, &sc, &m);
                     o[PG_K16_SCALES + 16 * j + r] = sc;
                     o[PG_K16_MINS + 16 * j + r] = m;
-                    const uint8_t *q = b + 16 + 32 * (j >> 1);
+                    const uint8_t *q = qs + 32 * (j >> 1);
                     for (int k = 0; k < 16; k++) { /* byte k of the row: dword k / 4's byte k % 4 */
                         const int lo = j & 1 ? q[k] >> 4 : q[k] & 0xF;
                         const int hi = j & 1 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
                         o[PG_K16_VALUES + 256 * j + 64 * (k / 4) + 4 * r + k % 4] = (uint8_t)(lo | hi << 4);
                     }
+                    if (five) /* value l's fifth bit: bit j of qh[l] */
+                        for (int l = 0; l < 32; l++) {
+                            const int u = l < 16 ? l >> 2 : 4 + ((l - 16) >> 2);
+                            o[PG_K16_HIGH + 64 * j + 4 * r + (l & 3)] |= (uint8_t)(((qh[l] >> j) & 1) << u);
+                        }
                 }
             }
         }

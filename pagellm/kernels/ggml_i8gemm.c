@@ -44,7 +44,7 @@ static int type_kind(int type, int *off) {
         case I_Q5_0: *off = 16; return SIGNED32;
         case I_Q8_0: case PG_Q8_0_R16: *off = 128; return SIGNED32;
         case I_Q6_K: case PG_Q6_K_R16: *off = 32; return SIGNED16;
-        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R16: case PG_Q4_1_R16:
+        case I_Q4_1: case I_Q5_1: case I_Q4_K: case I_Q5_K: case PG_Q4_K_R16: case PG_Q5_K_R16: case PG_Q4_1_R16:
             *off = 0;
             return AFFINE;
         default: return -1;
@@ -149,15 +149,17 @@ static void unpack_group(int type, const uint8_t *row, int64_t g, uint8_t *u, fl
     }
 }
 
-/* Group g of row n of a Q4_K_R16 matrix (ggml_common.h), as unpack_group gives Q4_K's. */
-static void unpack_group_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, uint8_t *u,
-                             float *s, float *m) {
-    const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3);
+/* Group g of row n of a Q4_K_R16 (Q5_K_R16: five) matrix (ggml_common.h), as unpack_group
+ * gives the file type's. */
+static void unpack_group_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t g, int five,
+                             uint8_t *u, float *s, float *m) {
+    const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3, five);
     uint8_t q[16];
     pg_k16_values(b, (int)(n & 15), (int)(g & 7), q);
+    const uint32_t fifth = five ? pg_k16_fifth_bits(b, (int)(n & 15), (int)(g & 7)) : 0;
     for (int i = 0; i < 16; i++) {
-        u[i] = q[i] & 0xF;
-        u[i + 16] = q[i] >> 4;
+        u[i] = (uint8_t)((q[i] & 0xF) | ((fifth >> i) & 1) << 4);
+        u[i + 16] = (uint8_t)((q[i] >> 4) | ((fifth >> (16 + i)) & 1) << 4);
     }
     pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], m);
     s[1] = s[0];
@@ -177,8 +179,8 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
                 uint8_t block[210];
                 pg_q6_16_file_block(W, row_bytes, r0 + i, g >> 3, block);
                 unpack_group(I_Q6_K, block, g & 7, u, s, &m);
-            } else if (have && type == PG_Q4_K_R16) {
-                unpack_group_k16(W, row_bytes, r0 + i, g, u, s, &m);
+            } else if (have && (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)) {
+                unpack_group_k16(W, row_bytes, r0 + i, g, type == PG_Q5_K_R16, u, s, &m);
             } else if (have && pg_is_r16(type)) { /* the file's block, put back together */
                 uint8_t block[34];
                 pg_r16_file_block(W, row_bytes, r0 + i, g, pg_r16_base(type), block);
@@ -319,21 +321,22 @@ static inline VNNI512 void transpose_values(uint8_t *t) {
     }
 }
 
-/* Rows [r0, r0 + 16) of a Q4_K_R16 matrix into the tile: each sub-block's four vectors
- * already hold bytes 4c .. 4c+3 of the sixteen rows, so an AND and a shift give the
- * tile's eight; the scales and minimums of sixteen rows are one product each.
- * unpack_group_k16's tile. */
+/* Rows [r0, r0 + 16) of a Q4_K_R16 (Q5_K_R16: five) matrix into the tile: each
+ * sub-block's four vectors already hold bytes 4c .. 4c+3 of the sixteen rows, so an AND
+ * and a shift give the tile's eight (pg_k16_tile; Q5_K's fifth bits ORed in, pg_k16_fifth);
+ * the scales and minimums of sixteen rows are one product each. unpack_group_k16's tile. */
 static VNNI512 void unpack_tile_k16(const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t G,
-                                    uint8_t *tile) {
+                                    int five, uint8_t *tile) {
     const int64_t stride = group_bytes(AFFINE);
     for (int64_t sb = 0; sb < G / 8; sb++) {
-        const uint8_t *b = pg_k16_block(W, row_bytes, r0, sb);
+        const uint8_t *b = pg_k16_block(W, row_bytes, r0, sb, five);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         for (int j = 0; j < 8; j++) {
             uint8_t *t = tile + (8 * sb + j) * stride;
             __m512i v[8];
             pg_k16_tile(b + PG_K16_VALUES + 256 * j, v);
+            if (five) pg_k16_fifth(b + PG_K16_HIGH + 64 * j, v);
             for (int c = 0; c < 8; c++) _mm512_storeu_si512(t + 64 * c, v[c]);
             float *f = (float *)(t + 512);
             const __m128i scv = _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j));
@@ -373,8 +376,8 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
         unpack_tile_q6_16(W, row_bytes, r0, G, tile);
         return;
     }
-    if (type == PG_Q4_K_R16 && N - r0 >= 16) {
-        unpack_tile_k16(W, row_bytes, r0, G, tile);
+    if ((type == PG_Q4_K_R16 || type == PG_Q5_K_R16) && N - r0 >= 16) {
+        unpack_tile_k16(W, row_bytes, r0, G, type == PG_Q5_K_R16, tile);
         return;
     }
     if (pg_is_r16(type) && N - r0 >= 16) { /* 16 rows already in the tile's order: unpack */
@@ -413,13 +416,15 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
                 uint8_t block[210];
                 pg_q6_16_file_block(W, row_bytes, n, g >> 3, block);
                 v = group_vec(I_Q6_K, block, g & 7, s, &m);
-            } else if (n < N && type == PG_Q4_K_R16) { /* row n's 16 bytes of the sub-block */
-                const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3);
+            } else if (n < N && (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)) { /* row n's sub-block */
+                const int five = type == PG_Q5_K_R16;
+                const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3, five);
                 uint8_t q[16];
                 pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], &m);
                 s[1] = s[0];
                 pg_k16_values(b, (int)(n & 15), (int)(g & 7), q);
-                v = pg_nibbles_32(q);
+                v = _mm256_or_si256(pg_nibbles_32(q),
+                                    pg_bits_to_0x10(five ? pg_k16_fifth_bits(b, (int)(n & 15), (int)(g & 7)) : 0));
             } else if (n < N && pg_is_r16(type)) {
                 uint8_t block[34];
                 pg_r16_file_block(W, row_bytes, n, g, pg_r16_base(type), block);

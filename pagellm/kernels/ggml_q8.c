@@ -47,7 +47,7 @@ int pg_q8_supported(int type) {
 #ifdef PG_AVX2
     switch (type) {
         case Q_Q4_0: case Q_Q4_1: case Q_Q5_0: case Q_Q5_1: case Q_Q8_0:
-        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R16: case PG_Q6_K_R16:
+        case Q_Q4_K: case Q_Q5_K: case Q_Q6_K: case PG_Q4_K_R16: case PG_Q5_K_R16: case PG_Q6_K_R16:
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16:
             return 1;
         default:
@@ -374,23 +374,26 @@ static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, co
     return y;
 }
 
-/* Row n of a Q4_K_R16 matrix (ggml_common.h) with one quantized input row, in scalars:
- * what the AVX2 path runs for it (the AVX-512 kernel is k16_rows). */
-static float dot_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, const int8_t *qx,
-                     const float *dx, const int32_t *sx) {
+/* Row n of a Q4_K_R16 (Q5_K_R16: five) matrix (ggml_common.h) with one quantized input
+ * row, in scalars: what the AVX2 path runs for it (the AVX-512 kernel is k16_rows). */
+static float dot_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, int five,
+                     const int8_t *qx, const float *dx, const int32_t *sx) {
     const int r = (int)(n & 15);
     float acc = 0.0f, mins = 0.0f;
     for (int64_t sb = 0; sb < K / 256; sb++) {
-        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb);
+        const uint8_t *b = pg_k16_block(W, row_bytes, n, sb, five);
         for (int j = 0; j < 8; j++) {
             const int64_t g = 8 * sb + j;
             uint8_t q[16];
             pg_k16_values(b, r, j, q);
+            const uint32_t fifth = five ? pg_k16_fifth_bits(b, r, j) : 0;
             const int8_t *x = qx + 32 * g;
             float d, m;
             pg_k16_scale_min(b, r, j, &d, &m);
             int32_t dot = 0;
-            for (int i = 0; i < 16; i++) dot += (q[i] & 0xF) * x[i] + (q[i] >> 4) * x[i + 16];
+            for (int i = 0; i < 16; i++)
+                dot += ((q[i] & 0xF) | (int)((fifth >> i) & 1) << 4) * x[i] +
+                       ((q[i] >> 4) | (int)((fifth >> (16 + i)) & 1) << 4) * x[i + 16];
             acc += d * dx[g] * (float)dot;
             mins += m * dx[g] * (float)(sx[2 * g] + sx[2 * g + 1]);
         }
@@ -580,20 +583,21 @@ VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, in
     return 1;
 }
 
-/* Q4_K_R16 (ggml_common.h): sixteen weight rows against R input rows, in the int8 GEMM's
- * arithmetic. A sub-block's four vectors hold bytes 4c .. 4c+3 of the sixteen rows, so an
- * AND and a shift give ggml_i8gemm.c's tile (its unpack_tile_k16), and the sixteen
+/* Q4_K_R16 and Q5_K_R16 (five; ggml_common.h): sixteen weight rows against R input rows,
+ * in the int8 GEMM's arithmetic. A sub-block's four vectors hold bytes 4c .. 4c+3 of the
+ * sixteen rows, so an AND and a shift (Q5_K: and its fifth bits ORed in) give
+ * ggml_i8gemm.c's tile (its unpack_tile_k16), and the sixteen
  * scales and minimums are one product each; every input row then takes pg_tile_row, as
  * the GEMM's rows_vnni: a row gets the GEMM's numbers whatever the count. The unpacking
  * (~20 instructions a sub-block) is shared by the input rows, each of which then costs 8
  * vpdpbusd and ~6 more. acc[r]: the 16 rows against input row r. */
 #define K16_AHEAD 4096
-VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
-                                           const float *dx, const int32_t *sx, int64_t K,
-                                           const int R, __m512 *acc) {
+VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const int five,
+                                           const int8_t *qx, const float *dx, const int32_t *sx,
+                                           int64_t K, const int R, __m512 *acc) {
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = w + sb * PG_K16_SB;
+        const uint8_t *b = w + sb * pg_k16_sb_bytes(five);
         /* the bytes K16_AHEAD on: [0, PG_K16_VALUES) of them here, each sub-block's 256 below */
         for (int pf = 0; pf < PG_K16_VALUES; pf += 64) _mm_prefetch((const char *)b + K16_AHEAD + pf, _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
@@ -603,6 +607,10 @@ VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const 
             for (int pf = 0; pf < 256; pf += 64) _mm_prefetch((const char *)v + K16_AHEAD + pf, _MM_HINT_T0);
             __m512i t[8];
             pg_k16_tile(v, t);
+            if (five) {
+                _mm_prefetch((const char *)b + PG_K16_HIGH + 64 * j + K16_AHEAD, _MM_HINT_T0);
+                pg_k16_fifth(b + PG_K16_HIGH + 64 * j, t);
+            }
             const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                   _mm_loadu_si128((const __m128i *)(b + PG_K16_SCALES + 16 * j)))));
             /* minus the minimums, as rows_vnni reads them from the tile */
@@ -834,7 +842,7 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
 }
 
 /* Weight rows [n0, n1) (multiples of 16) of a 16-row layout (base: the R16 layouts' file
- * type, 1 for Q4_K_R16, 6 for Q6_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
+ * type, 1 for Q4_K_R16, 5 for Q5_K_R16, 6 for Q6_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
 VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
                                 int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
                                 int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
@@ -847,7 +855,8 @@ VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, i
             const int32_t *sx = SX + m0 * (K / 16);
             __m512 acc[R16_ROWS];
 #define R16_BASES(r)                                                                \
-    (base == 1 ? k16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                        \
+    (base == 1 ? k16_rows(w16, K / 256, 0, qx, dx, sx, K, r, acc)                     \
+     : base == 5 ? k16_rows(w16, K / 256, 1, qx, dx, sx, K, r, acc)                   \
      : base == 6 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                    \
      : base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                    \
      : base == 3 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                    \
@@ -906,8 +915,9 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16: /* n0, n1: multiples of 16 */
             range_tiles(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
-        case PG_Q4_K_R16: case PG_Q6_K_R16:
-            range_tiles(type == PG_Q4_K_R16 ? 1 : 6, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
+        case PG_Q4_K_R16: case PG_Q5_K_R16: case PG_Q6_K_R16:
+            range_tiles(type == PG_Q4_K_R16 ? 1 : type == PG_Q5_K_R16 ? 5 : 6, W, row_bytes, n0, n1, K, QX, DX,
+                        SX, P, levels, Y, ldy, yrows);
             return 1;
         case Q_Q4_K: case Q_Q5_K: {
             const int8_t *px;
@@ -969,7 +979,7 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      const pg_team *team) {
 #ifdef PG_AVX2
     int64_t n0, n1; /* the 16-row layouts: whole groups of 16 rows */
-    const int64_t unit = type == PG_Q4_K_R16 || type == PG_Q6_K_R16 || pg_is_r16(type) ? 16 : 1;
+    const int64_t unit = type == PG_Q4_K_R16 || type == PG_Q5_K_R16 || type == PG_Q6_K_R16 || pg_is_r16(type) ? 16 : 1;
     pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
     n0 *= unit;
     n1 *= unit;
@@ -992,8 +1002,8 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                 out[r] = type == PG_Q6_K_R16
                              ? dot_q6_16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                          SX + (m0 + r) * (K / 16))
-                         : type == PG_Q4_K_R16
-                             ? dot_k16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
+                         : type == PG_Q4_K_R16 || type == PG_Q5_K_R16
+                             ? dot_k16(W, row_bytes, n, K, type == PG_Q5_K_R16, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
                          : pg_is_r16(type)
                              ? dot_r16(type, W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
@@ -1038,7 +1048,7 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4) ||
-        ((pg_is_r16(type) || type == PG_Q4_K_R16 || type == PG_Q6_K_R16) && N % 16))
+        ((pg_is_r16(type) || type == PG_Q4_K_R16 || type == PG_Q5_K_R16 || type == PG_Q6_K_R16) && N % 16))
         return -1;
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {

@@ -183,6 +183,23 @@ def _k16_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
     return w.transpose(0, 3, 1, 2, 4).reshape(rows, k)
 
 
+def _k16_five_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """float32 [rows, k] of a Q5_K_R16 matrix: Q4_K_R16's decoding of the low 4 bits, plus
+    each value's fifth bit (16 d * scale where set), in numpy."""
+    nsb, groups = k // 256, rows // 16
+    b = np.ascontiguousarray(data).reshape(groups, nsb, 2880)
+    low = _k16_reference(np.ascontiguousarray(b[..., :2368]).reshape(rows, -1), rows, k)
+    d = b[..., 0:32].copy().view(np.float16).astype(np.float32)  # [group, sb, row]
+    sc = b[..., 64:192].reshape(groups, nsb, 8, 16).astype(np.float32)  # [group, sb, j, row]
+    h = b[..., 2368:].reshape(groups, nsb, 8, 16, 4)  # [.., j, row, k]: bit u = tile vector u's value
+    bits = np.zeros((groups, nsb, 8, 16, 32), dtype=np.float32)
+    for i in range(32):
+        u = i >> 2 if i < 16 else 4 + ((i - 16) >> 2)
+        bits[..., i] = (h[..., i & 3] >> u) & 1
+    extra = (d[:, :, None, :] * sc)[..., None] * (16 * bits)
+    return low + extra.transpose(0, 3, 1, 2, 4).reshape(rows, k)
+
+
 def _q6_16_reference(data: np.ndarray, rows: int, k: int) -> np.ndarray:
     """float32 [rows, k] of a Q6_K_R16 matrix (pagellm/kernels/ggml_common.h), in numpy, by
     the operations of gguf's Q6_K dequantization: d * scale * (u - 32)."""
@@ -457,10 +474,14 @@ def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_q8_supported(t)
 
 
-def _repack_k16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
-    out = np.empty((n, 148 * (k // 256)), dtype=np.uint8)
-    assert lib.pg_repack_q4_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
+def _repack_k16(lib: Any, data: np.ndarray, n: int, k: int, five: bool = False) -> np.ndarray:
+    out = np.empty((n, (180 if five else 148) * (k // 256)), dtype=np.uint8)
+    assert lib.pg_repack_k_r16(13 if five else 12, data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
     return out
+
+
+def _repack_k16_five(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
+    return _repack_k16(lib, data, n, k, five=True)
 
 
 def _repack_q6_16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
@@ -469,13 +490,22 @@ def _repack_q6_16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
     return out
 
 
-K_R16 = {"Q4_K": (_repack_k16, _k16_reference, gguf_method.Q4_K_R16_TYPE, "pg_repack_q4_k_r16"),
-         "Q6_K": (_repack_q6_16, _q6_16_reference, gguf_method.Q6_K_R16_TYPE, "pg_repack_q6_k_r16")}
+K_R16 = {"Q4_K": (_repack_k16, _k16_reference, gguf_method.Q4_K_R16_TYPE),
+         "Q5_K": (_repack_k16_five, _k16_five_reference, gguf_method.Q5_K_R16_TYPE),
+         "Q6_K": (_repack_q6_16, _q6_16_reference, gguf_method.Q6_K_R16_TYPE)}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def _refused(lib: Any, qtype: str, data: np.ndarray, n: int, k: int, out: np.ndarray) -> bool:
+    """The repack of n rows of K values refused (-1)."""
+    if qtype == "Q6_K":
+        return lib.pg_repack_q6_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == -1
+    return lib.pg_repack_k_r16(int(gguf.GGMLQuantizationType[qtype]), data.ctypes.data, data.shape[1], n, k,
+                               out.ctypes.data) == -1
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> None:
-    """Q4_K and Q6_K rows repacked sixteen at a time (Q4_K_R16, Q6_K_R16: what the loader
+    """Q4_K, Q5_K and Q6_K rows repacked sixteen at a time (Q4_K_R16 ...: what the loader
     does where the int8 kernels run on AVX-512 VNNI): the rows dequantize to the file's bit
     for bit (and read back as the file's blocks in numpy); the int8
     products equal (1e-5) the numpy model for 1-16 input rows and two levels (on the AVX-512
@@ -486,7 +516,7 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     lib = q8_isa
     rng = np.random.default_rng(21)
     n, k = 48, 768  # 3 groups of 16 rows; 3 super-blocks
-    repack, reference, k16_t, repack_fn = K_R16[qtype]
+    repack, reference, k16_t = K_R16[qtype]
     data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
     k16 = repack(lib, data, n, k)
     np.testing.assert_array_equal(reference(k16, n, k), _reference(data, qtype, n, k))
@@ -513,8 +543,7 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
     bad = np.empty((n, 210 * 3), dtype=np.uint8)
-    assert getattr(lib, repack_fn)(data.ctypes.data, data.shape[1], 44, k, bad.ctypes.data) == -1
-    assert getattr(lib, repack_fn)(data.ctypes.data, data.shape[1], n, 512, bad.ctypes.data) == -1
+    assert _refused(lib, qtype, data, 44, k, bad) and _refused(lib, qtype, data, n, 512, bad)
     odd = gguf_method.WeightGroup(q4k_t, data[:44], 0, 44)
     assert gguf_method._repacked(odd, k) is odd
     assert gguf_method._repacked(q4k[0], k).qtype == k16_t
@@ -658,7 +687,7 @@ def test_default_model_repacks_its_linears_and_tied_head_in_place(default_model_
     assert torch.equal(model.model.embed_tokens(ids), exact.model.embed_tokens(ids))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R16", "Q6_K_R16", "Q8_0_R16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q4_K_R16", "Q5_K_R16", "Q6_K_R16", "Q8_0_R16"])
 def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     """pg_gemm_q8 hands its rows out in chunks of ~64 KB that the team claims as it goes
     (pg_q8_claim = 1, the default): bit for bit the products of a static split, for a
@@ -670,9 +699,9 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
         pytest.skip("one thread: nothing is split")
     rng = np.random.default_rng(3)
     k, n = 1024, 4100
-    if qtype in ("Q4_K_R16", "Q6_K_R16"):  # repacked: chunks of whole groups of 16 rows
+    if qtype in ("Q4_K_R16", "Q5_K_R16", "Q6_K_R16"):  # repacked: chunks of whole groups of 16 rows
         n = 4112
-        repack, _, t, _ = K_R16[qtype[:4]]
+        repack, _, t = K_R16[qtype[:4]]
         data = repack(lib, np.ascontiguousarray(random_blocks(qtype[:4], n, k, rng)), n, k)
     elif qtype == "Q8_0_R16":  # Q8_0 repacked: chunks of whole groups of 16 rows
         n = 4112

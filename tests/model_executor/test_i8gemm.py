@@ -93,15 +93,15 @@ def test_vnni_kernel_equals_the_portable_loops_and_rows_are_independent(lib, qty
     assert np.array_equal(_gemm_i8(lib, qtype, data, n, x[2:5], wide=True), fast[2:5])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_r16_tiles_equal_the_files(lib, qtype: str) -> None:
-    """Q4_K / Q6_K repacked sixteen rows at a time (Q4_K_R16, Q6_K_R16) unpack into the same
+    """Q4_K / Q5_K / Q6_K repacked sixteen rows at a time (Q4_K_R16 ...) unpack into the same
     tiles as the file's blocks: the int8 GEMM's products are the file type's bit for bit, on
     the path this CPU runs; and the int8 decode kernel (pg_gemm_q8, one level) gives a row
     the GEMM's bits, alone or among up to 16."""
     rng = np.random.default_rng(6)
     k, n = 512, 48
-    repack, _, t, _ = K_R16[qtype]
+    repack, _, t = K_R16[qtype]
     data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
     packed = repack(lib, data, n, k)
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(10)).numpy()

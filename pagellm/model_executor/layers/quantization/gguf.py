@@ -341,6 +341,11 @@ Q4_K_R16_TYPE = 113
 """Q4_K rows repacked sixteen at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R16): not a
 ggml type; the kernels read it wherever they read Q4_K."""
 
+Q5_K_TYPE = 13
+Q5_K_R16_TYPE = 115
+"""Q5_K rows repacked sixteen at a time (ggml_common.h PG_Q5_K_R16), as Q4_K_R16 with the
+values' fifth bits."""
+
 Q6_K_TYPE = 14
 Q6_K_R16_TYPE = 114
 """Q6_K rows repacked sixteen at a time (ggml_common.h PG_Q6_K_R16), as Q4_K_R16."""
@@ -349,14 +354,14 @@ R16_TYPES = {2: 102, 3: 103, 8: 108}
 """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
 file's type -> pagellm's layout, read by the kernels wherever they read the file's type."""
 
-TYPE_NAMES = {Q4_K_R16_TYPE: "Q4_K_R16", Q6_K_R16_TYPE: "Q6_K_R16",
+TYPE_NAMES = {Q4_K_R16_TYPE: "Q4_K_R16", Q5_K_R16_TYPE: "Q5_K_R16", Q6_K_R16_TYPE: "Q6_K_R16",
               **{r16: f"{gguf.GGMLQuantizationType(t).name}_R16" for t, r16 in R16_TYPES.items()}}
 """Names of pagellm's own layouts (the rest are gguf.GGMLQuantizationType's)."""
 
 
 def repack_weights() -> bool:
-    """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K, Q6_K,
-    Q4_0, Q4_1 and Q8_0 as their 16-row layouts): where those kernels run on AVX-512 VNNI. A
+    """Whether GGUF linears are repacked at load for the int8 decode kernels (Q4_K, Q5_K,
+    Q6_K, Q4_0, Q4_1 and Q8_0 as their 16-row layouts): where those kernels run on AVX-512 VNNI. A
     block of sixteen rows is then the int8 GEMM's tile after an AND and a shift, multiplied
     by each input row with no per-row scale permutes: each extra row of a step (a
     speculative verify run, a batch) costs a fraction of what it did (benchmarks/README.md).
@@ -368,15 +373,16 @@ def repack_weights() -> bool:
 
 
 def _repacked(group: WeightGroup, k: int) -> WeightGroup:
-    """A Q4_K, Q6_K, Q4_0, Q4_1 or Q8_0 group in its 16-row layout, in memory of
+    """A Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 or Q8_0 group in its 16-row layout, in memory of
     its own (other groups, and groups whose rows do not fill the layout's, as they are); the
     file's pages it was read from are released from this process (the page cache keeps
     them), so memory stays ~ the file's."""
     lib = _kernels()
-    if group.qtype == Q4_K_TYPE and group.rows % 16 == 0 and k % 256 == 0:
-        out = np.empty((group.rows, 148 * (k // 256)), dtype=np.uint8)
-        failed = lib.pg_repack_q4_k_r16(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
-        qtype = Q4_K_R16_TYPE
+    if group.qtype in (Q4_K_TYPE, Q5_K_TYPE) and group.rows % 16 == 0 and k % 256 == 0:
+        five = group.qtype == Q5_K_TYPE  # the file's bytes with the scales unpacked
+        out = np.empty((group.rows, (180 if five else 148) * (k // 256)), dtype=np.uint8)
+        failed = lib.pg_repack_k_r16(group.qtype, group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+        qtype = Q5_K_R16_TYPE if five else Q4_K_R16_TYPE
     elif group.qtype == Q6_K_TYPE and group.rows % 16 == 0 and k % 256 == 0:
         out = np.empty_like(group.data)
         failed = lib.pg_repack_q6_k_r16(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
