@@ -122,24 +122,36 @@ int pg_attn_isa512(void) { return attn512(); }
 
 #ifdef PG_AVX2
 /* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after reducing x to
- * r + n ln 2, |r| <= ln2 / 2; about 1 ulp. Below -87 (under FLT_MIN) the result is 0. */
+ * r + n ln 2, |r| <= ln2 / 2; about 1 ulp. Below -87 (under FLT_MIN) the result is 0.
+ * EXP_NEG_STEPS is that polynomial on P-wide vectors of B bits (P: the intrinsics' prefix,
+ * _mm256 or _mm512; round: their round-to-nearest of x): written once, so exp_neg and
+ * exp_neg16 take the same operations lane by lane and give the same values. x is already
+ * clamped to -87; the caller zeroes the lanes that were under it. */
+#define EXP_NEG_STEPS(P, B, round, x, out)                                                     \
+    do {                                                                                       \
+        const __m##B n_ = round(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));             \
+        __m##B r_ = P##_fnmadd_ps(n_, P##_set1_ps(0.693359375f), x);                           \
+        r_ = P##_fnmadd_ps(n_, P##_set1_ps(-2.12194440e-4f), r_);                              \
+        __m##B p_ = P##_set1_ps(1.9875691500e-4f);                                             \
+        p_ = P##_fmadd_ps(p_, r_, P##_set1_ps(1.3981999507e-3f));                              \
+        p_ = P##_fmadd_ps(p_, r_, P##_set1_ps(8.3334519073e-3f));                              \
+        p_ = P##_fmadd_ps(p_, r_, P##_set1_ps(4.1665795894e-2f));                              \
+        p_ = P##_fmadd_ps(p_, r_, P##_set1_ps(1.6666665459e-1f));                              \
+        p_ = P##_fmadd_ps(p_, r_, P##_set1_ps(5.0000001201e-1f));                              \
+        p_ = P##_fmadd_ps(p_, P##_mul_ps(r_, r_), P##_add_ps(r_, P##_set1_ps(1.0f)));          \
+        const __m##B##i e_ = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n_), P##_set1_epi32(127)), 23); \
+        out = P##_mul_ps(p_, P##_castsi##B##_ps(e_));                                          \
+    } while (0)
+#define ROUND8(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ROUND16(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
 static inline __m256 exp_neg(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    __m256 e;
+    EXP_NEG_STEPS(_mm256, 256, ROUND8, x, e);
+    return _mm256_andnot_ps(under, e);
 }
 
 /* cap * tanh(x / cap) lane by lane (Gemma 2's score cap): tanh(a) = (1 - e^-2a) / (1 + e^-2a)
@@ -475,24 +487,14 @@ static void rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, i
 #ifdef PG_X86_DISPATCH
 #define ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
-/* exp_neg sixteen lanes at a time: the same operations lane by lane, so the same values. */
+/* exp_neg sixteen lanes at a time (EXP_NEG_STEPS): the same values. */
 ATTN512 static inline __attribute__((always_inline)) __m512 exp_neg16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+    __m512 e;
+    EXP_NEG_STEPS(_mm512, 512, ROUND16, x, e);
+    return _mm512_maskz_mov_ps((__mmask16)~under, e);
 }
 
 /* softmax_rows with its exponentials sixteen lanes at a time: the sum still takes them
