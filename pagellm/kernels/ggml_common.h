@@ -59,7 +59,7 @@ static inline const uint8_t *pg_k16_block(const uint8_t *W, int64_t row_bytes, i
     return W + (n >> 4) * 16 * row_bytes + sb * pg_k16_sb_bytes(five);
 }
 
-/* Q6_K weights repacked at load, sixteen rows at a time (pg_repack_q6_k_r16, ggml_cpu.c),
+/* Q6_K weights repacked at load, sixteen rows at a time (pg_repack_k_r16, ggml_cpu.c),
  * for the int8 kernels: not a ggml type. A value is u - 32, u of 6 bits; a scale (int8)
  * per 16 values. Per group of 16 rows and super-block of 256 values, PG_Q6_16_SB bytes:
  *   [0, 32)      d of rows 0-15 (float16)

@@ -497,10 +497,14 @@ void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, in
     dequant_row_n(type, W, row_bytes, n, K, out);
 }
 
-/* Q4_K or Q5_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256)
- * into out in the Q4_K_R16 / Q5_K_R16 layout (ggml_common.h): row_bytes 148 (180) * K / 256
- * there. type: the file's (12 or 13). */
+static int repack_q6_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out);
+
+/* K-quant rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256) into
+ * out in their 16-row layout (ggml_common.h): Q4_K (type 12) as Q4_K_R16, row_bytes 148 *
+ * K / 256 there; Q5_K (13) as Q5_K_R16, 180; Q6_K (14) as Q6_K_R16, 210 (the file's). -1
+ * for another type or shapes that do not fit. */
 int pg_repack_k_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+    if (type == 14) return repack_q6_k_r16(W, row_bytes, N, K, out);
     const int five = type == 13;
     const int64_t file_bytes = five ? 176 : 144, sb_bytes = pg_k16_sb_bytes(five);
     if ((type != 12 && type != 13) || N % 16 != 0 || K % 256 != 0 || row_bytes != file_bytes * (K / 256))
@@ -541,7 +545,7 @@ int pg_repack_k_r16(int type, const uint8_t *W, int64_t row_bytes, int64_t N, in
 
 /* Q6_K rows [16i, 16i + 16) of W (N rows, N a multiple of 16, K a multiple of 256) into
  * out in the Q6_K_R16 layout (ggml_common.h): row_bytes stays 210 * K / 256. */
-int pg_repack_q6_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
+static int repack_q6_k_r16(const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K, uint8_t *out) {
     if (N % 16 != 0 || K % 256 != 0 || row_bytes != 210 * (K / 256)) return -1;
     const int64_t nsb = K / 256, groups = N / 16;
 #pragma omp parallel for schedule(static) if (N * K >= 1 << 20)

@@ -17,7 +17,7 @@ import torch
 from pagellm import kernels
 from pagellm.benchmarks.synthetic_gguf import random_blocks
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
-from tests.model_executor.test_gguf_quantized import K_R16, _reference
+from tests.model_executor.test_gguf_quantized import K_R16, _reference, _repack_k
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_R16", "Q5_K_R16", "Q6_K_R16",
          "Q4_0_R16", "Q4_1_R16", "Q8_0_R16"]
@@ -40,8 +40,7 @@ def _weights(lib, qtype: str, n: int, k: int, rng: np.random.Generator) -> tuple
     ref = _reference(data, base, n, k)
     file_t = int(gguf.GGMLQuantizationType[base])
     if qtype in ("Q4_K_R16", "Q5_K_R16", "Q6_K_R16"):
-        repack, _, t = K_R16[base]
-        return t, repack(lib, data, n, k), ref
+        return K_R16[base][1], _repack_k(lib, base, data, n, k), ref
     if qtype.endswith("_R16"):
         t = gguf_method.R16_TYPES[file_t]
         out = np.empty_like(data)

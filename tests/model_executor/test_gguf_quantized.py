@@ -474,33 +474,18 @@ def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     assert lib.pg_q8_supported(t)
 
 
-def _repack_k16(lib: Any, data: np.ndarray, n: int, k: int, five: bool = False) -> np.ndarray:
-    out = np.empty((n, (180 if five else 148) * (k // 256)), dtype=np.uint8)
-    assert lib.pg_repack_k_r16(13 if five else 12, data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
+def _repack_k(lib: Any, qtype: str, data: np.ndarray, n: int, k: int) -> np.ndarray:
+    """n rows of a K-quant in their 16-row layout (pg_repack_k_r16)."""
+    file_t = int(gguf.GGMLQuantizationType[qtype])
+    out = np.empty((n, gguf_method.K_R16_TYPES[file_t][1] * (k // 256)), dtype=np.uint8)
+    assert lib.pg_repack_k_r16(file_t, data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
     return out
 
 
-def _repack_k16_five(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
-    return _repack_k16(lib, data, n, k, five=True)
-
-
-def _repack_q6_16(lib: Any, data: np.ndarray, n: int, k: int) -> np.ndarray:
-    out = np.empty_like(data)
-    assert lib.pg_repack_q6_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == 0
-    return out
-
-
-K_R16 = {"Q4_K": (_repack_k16, _k16_reference, gguf_method.Q4_K_R16_TYPE),
-         "Q5_K": (_repack_k16_five, _k16_five_reference, gguf_method.Q5_K_R16_TYPE),
-         "Q6_K": (_repack_q6_16, _q6_16_reference, gguf_method.Q6_K_R16_TYPE)}
-
-
-def _refused(lib: Any, qtype: str, data: np.ndarray, n: int, k: int, out: np.ndarray) -> bool:
-    """The repack of n rows of K values refused (-1)."""
-    if qtype == "Q6_K":
-        return lib.pg_repack_q6_k_r16(data.ctypes.data, data.shape[1], n, k, out.ctypes.data) == -1
-    return lib.pg_repack_k_r16(int(gguf.GGMLQuantizationType[qtype]), data.ctypes.data, data.shape[1], n, k,
-                               out.ctypes.data) == -1
+K_R16 = {"Q4_K": (_k16_reference, gguf_method.Q4_K_R16_TYPE),
+         "Q5_K": (_k16_five_reference, gguf_method.Q5_K_R16_TYPE),
+         "Q6_K": (_q6_16_reference, gguf_method.Q6_K_R16_TYPE)}
+"""A K-quant -> (numpy's reading of its 16-row layout, the layout's type)."""
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
@@ -516,9 +501,9 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     lib = q8_isa
     rng = np.random.default_rng(21)
     n, k = 48, 768  # 3 groups of 16 rows; 3 super-blocks
-    repack, reference, k16_t = K_R16[qtype]
+    reference, k16_t = K_R16[qtype]
     data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
-    k16 = repack(lib, data, n, k)
+    k16 = _repack_k(lib, qtype, data, n, k)
     np.testing.assert_array_equal(reference(k16, n, k), _reference(data, qtype, n, k))
     q4k_t = int(gguf.GGMLQuantizationType[qtype])
     ids = torch.tensor([0, 5, 43, 6, 17], dtype=torch.int64)
@@ -543,7 +528,10 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
     bad = np.empty((n, 210 * 3), dtype=np.uint8)
-    assert _refused(lib, qtype, data, 44, k, bad) and _refused(lib, qtype, data, n, 512, bad)
+    for rows, kk in ((44, k), (n, 512)):  # rows not a multiple of 16; row bytes not K's
+        assert lib.pg_repack_k_r16(q4k_t, data.ctypes.data, data.shape[1], rows, kk, bad.ctypes.data) == -1
+    assert lib.pg_repack_k_r16(int(gguf.GGMLQuantizationType.Q8_0), data.ctypes.data, data.shape[1], n, k,
+                               bad.ctypes.data) == -1  # not a K-quant
     odd = gguf_method.WeightGroup(q4k_t, data[:44], 0, 44)
     assert gguf_method._repacked(odd, k) is odd
     assert gguf_method._repacked(q4k[0], k).qtype == k16_t
@@ -701,8 +689,8 @@ def test_q8_products_claimed_in_chunks_equal_static_shares(qtype: str) -> None:
     k, n = 1024, 4100
     if qtype in ("Q4_K_R16", "Q5_K_R16", "Q6_K_R16"):  # repacked: chunks of whole groups of 16 rows
         n = 4112
-        repack, _, t = K_R16[qtype[:4]]
-        data = repack(lib, np.ascontiguousarray(random_blocks(qtype[:4], n, k, rng)), n, k)
+        t = K_R16[qtype[:4]][1]
+        data = _repack_k(lib, qtype[:4], np.ascontiguousarray(random_blocks(qtype[:4], n, k, rng)), n, k)
     elif qtype == "Q8_0_R16":  # Q8_0 repacked: chunks of whole groups of 16 rows
         n = 4112
         plain = np.ascontiguousarray(random_blocks("Q8_0", n, k, rng))

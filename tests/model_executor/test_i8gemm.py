@@ -15,7 +15,12 @@ import torch
 from pagellm import kernels
 from pagellm.benchmarks.synthetic_gguf import random_blocks
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
-from tests.model_executor.test_gguf_quantized import K_R16, _reference, _round_activations
+from tests.model_executor.test_gguf_quantized import (
+    K_R16,
+    _reference,
+    _repack_k,
+    _round_activations,
+)
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -32,7 +37,7 @@ def _gemm_i8(lib, qtype: str, data: np.ndarray, n: int, x: np.ndarray, wide: boo
     flag.value = int(wide)
     try:
         w = np.ascontiguousarray(data)
-        t = K_R16[qtype[:4]][2] if qtype.endswith("K_R16") else int(gguf.GGMLQuantizationType[qtype])
+        t = K_R16[qtype[:4]][1] if qtype.endswith("K_R16") else int(gguf.GGMLQuantizationType[qtype])
         rc = lib.pg_gemm_i8(t, w.ctypes.data, w.shape[1], n, k,
                             qx.data_ptr(), dx.data_ptr(), sx.data_ptr(), m, y.data_ptr(), n + 3)
     finally:
@@ -101,9 +106,9 @@ def test_k_quant_r16_tiles_equal_the_files(lib, qtype: str) -> None:
     the GEMM's bits, alone or among up to 16."""
     rng = np.random.default_rng(6)
     k, n = 512, 48
-    repack, _, t = K_R16[qtype]
+    t = K_R16[qtype][1]
     data = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
-    packed = repack(lib, data, n, k)
+    packed = _repack_k(lib, qtype, data, n, k)
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(10)).numpy()
     want = _gemm_i8(lib, qtype, data, n, x, wide=True)
     assert np.array_equal(_gemm_i8(lib, qtype + "_R16", packed, n, x, wide=True), want)

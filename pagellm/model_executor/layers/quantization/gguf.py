@@ -336,19 +336,12 @@ class GGUFLinearMethod(QuantizeMethodBase):
         return y
 
 
-Q4_K_TYPE = 12
-Q4_K_R16_TYPE = 113
-"""Q4_K rows repacked sixteen at a time (pagellm/kernels/ggml_common.h PG_Q4_K_R16): not a
-ggml type; the kernels read it wherever they read Q4_K."""
-
-Q5_K_TYPE = 13
-Q5_K_R16_TYPE = 115
-"""Q5_K rows repacked sixteen at a time (ggml_common.h PG_Q5_K_R16), as Q4_K_R16 with the
-values' fifth bits."""
-
-Q6_K_TYPE = 14
-Q6_K_R16_TYPE = 114
-"""Q6_K rows repacked sixteen at a time (ggml_common.h PG_Q6_K_R16), as Q4_K_R16."""
+K_R16_TYPES = {12: (113, 148), 13: (115, 180), 14: (114, 210)}
+"""Q4_K, Q5_K and Q6_K rows repacked sixteen at a time (pagellm/kernels/ggml_common.h
+PG_Q4_K_R16, PG_Q5_K_R16, PG_Q6_K_R16): the file's type -> (pagellm's layout, its bytes per
+256 values: the file's with Q4_K's and Q5_K's 6-bit scales unpacked). Not ggml types; the
+kernels read them wherever they read the file's type."""
+Q4_K_R16_TYPE, Q5_K_R16_TYPE, Q6_K_R16_TYPE = (K_R16_TYPES[t][0] for t in (12, 13, 14))
 
 R16_TYPES = {2: 102, 3: 103, 8: 108}
 """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
@@ -378,15 +371,10 @@ def _repacked(group: WeightGroup, k: int) -> WeightGroup:
     file's pages it was read from are released from this process (the page cache keeps
     them), so memory stays ~ the file's."""
     lib = _kernels()
-    if group.qtype in (Q4_K_TYPE, Q5_K_TYPE) and group.rows % 16 == 0 and k % 256 == 0:
-        five = group.qtype == Q5_K_TYPE  # the file's bytes with the scales unpacked
-        out = np.empty((group.rows, (180 if five else 148) * (k // 256)), dtype=np.uint8)
+    if group.qtype in K_R16_TYPES and group.rows % 16 == 0 and k % 256 == 0:
+        qtype, sb_bytes = K_R16_TYPES[group.qtype]
+        out = np.empty((group.rows, sb_bytes * (k // 256)), dtype=np.uint8)
         failed = lib.pg_repack_k_r16(group.qtype, group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
-        qtype = Q5_K_R16_TYPE if five else Q4_K_R16_TYPE
-    elif group.qtype == Q6_K_TYPE and group.rows % 16 == 0 and k % 256 == 0:
-        out = np.empty_like(group.data)
-        failed = lib.pg_repack_q6_k_r16(group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
-        qtype = Q6_K_R16_TYPE
     elif group.qtype in R16_TYPES and group.rows % 16 == 0 and k % 32 == 0:
         out = np.empty_like(group.data)
         qtype = R16_TYPES[group.qtype]
