@@ -318,6 +318,20 @@ static inline __m256i pg_q6_16_values(const uint8_t *b, int r, int j) {
     return _mm256_or_si256(values, _mm256_slli_epi16(top, 4));
 }
 
+/* Q5_K_R16: byte i 0x10 where value i of row r's sub-block j has its fifth bit
+ * (pg_k16_fifth_bits in vectors: byte i & 3 of the row's four, bit u of it, as the layout
+ * puts them). */
+static inline __m256i pg_k16_fifth_0x10(const uint8_t *b, int r, int j) {
+    int32_t h;
+    memcpy(&h, b + PG_K16_HIGH + 64 * j + 4 * r, 4);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(h), _mm256_set1_epi32(0x03020100));
+    /* value i's bit: u = i / 4 for i < 16, 4 + (i - 16) / 4 after */
+    const __m256i select = _mm256_set_epi64x(0x8080808040404040, 0x2020202010101010,
+                                             0x0808080804040404, 0x0202020201010101);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 static inline float pg_hsum(__m256 s) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));

@@ -420,14 +420,14 @@ static void dequant_k16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_t 
             uint8_t q[16];
             pg_k16_scale_min(b, r, j, &d, &m);
             pg_k16_values(b, r, j, q);
-            const uint32_t fifth = five ? pg_k16_fifth_bits(b, r, j) : 0;
             float *y = out + 256 * sb + 32 * j;
 #ifdef PG_AVX2
             __m256 w[4];
-            const __m256i u = _mm256_or_si256(pg_nibbles_32(q), pg_bits_to_0x10(fifth));
+            const __m256i u = five ? _mm256_or_si256(pg_nibbles_32(q), pg_k16_fifth_0x10(b, r, j)) : pg_nibbles_32(q);
             u8x32_affine(u, _mm256_set1_ps(d), _mm256_set1_ps(-m), w);
             for (int i = 0; i < 4; i++) _mm256_storeu_ps(y + 8 * i, w[i]);
 #else
+            const uint32_t fifth = five ? pg_k16_fifth_bits(b, r, j) : 0;
             for (int i = 0; i < 16; i++) {
                 y[i] = d * ((q[i] & 0xF) | ((fifth >> i) & 1) << 4) - m;
                 y[i + 16] = d * ((q[i] >> 4) | ((fifth >> (16 + i)) & 1) << 4) - m;

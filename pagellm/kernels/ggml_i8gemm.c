@@ -423,8 +423,8 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
                 pg_k16_scale_min(b, (int)(n & 15), (int)(g & 7), &s[0], &m);
                 s[1] = s[0];
                 pg_k16_values(b, (int)(n & 15), (int)(g & 7), q);
-                v = _mm256_or_si256(pg_nibbles_32(q),
-                                    pg_bits_to_0x10(five ? pg_k16_fifth_bits(b, (int)(n & 15), (int)(g & 7)) : 0));
+                v = five ? _mm256_or_si256(pg_nibbles_32(q), pg_k16_fifth_0x10(b, (int)(n & 15), (int)(g & 7)))
+                         : pg_nibbles_32(q);
             } else if (n < N && pg_is_r16(type)) {
                 uint8_t block[34];
                 pg_r16_file_block(W, row_bytes, n, g, pg_r16_base(type), block);
