@@ -428,7 +428,7 @@ static int amx_run(const amx_job *j, int64_t K, const float *X, int64_t ldx, int
  * here, K is not a multiple of 32, or memory ran out. */
 int pg_gemm_amx(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                 const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (!pg_amx_supported(type, K) || (pg_is_r16(type) && N % 16) || M <= 0) return -1;
+    if (!pg_amx_supported(type, K) || (pg_rows16(type) && N % 16) || M <= 0) return -1;
     const amx_job job = {.type = type, .W = W, .row_bytes = row_bytes, .N = N, .Y = Y, .ldy = ldy};
     return amx_run(&job, K, X, ldx, M, pg_gemm_amx_scratch(type, K));
 }
@@ -448,7 +448,7 @@ int pg_gemm_amx_gated(int tg, const uint8_t *Wg, int64_t rbg, int tu, const uint
                       int64_t rbu, int64_t I, int64_t K, const float *X, int64_t ldx, int64_t M,
                       int act, float *Y, int64_t ldy) {
     if (!pg_amx_supported(tg, K) || !pg_amx_supported(tu, K) || M <= 0 ||
-        ((pg_is_r16(tg) || pg_is_r16(tu)) && I % 16) || Wu == NULL)
+        ((pg_rows16(tg) || pg_rows16(tu)) && I % 16) || Wu == NULL)
         return -1;
     const amx_job job = {.type = tg, .type_u = tu, .act = act, .W = Wg, .Wu = Wu,
                          .row_bytes = rbg, .row_bytes_u = rbu, .N = I, .Y = Y, .ldy = ldy};

@@ -121,6 +121,12 @@ static inline int pg_is_r16(int type) {
     return type == PG_Q4_0_R16 || type == PG_Q4_1_R16 || type == PG_Q8_0_R16;
 }
 
+/* Q4_K_R16 or Q5_K_R16 (one layout, the fifth bits apart). */
+static inline int pg_is_k16(int type) { return type == PG_Q4_K_R16 || type == PG_Q5_K_R16; }
+
+/* Any of pagellm's 16-row layouts: its matrices hold whole groups of 16 rows. */
+static inline int pg_rows16(int type) { return pg_is_r16(type) || pg_is_k16(type) || type == PG_Q6_K_R16; }
+
 /* The file's type of a repacked one (2, 3 or 8), and that type's bytes per block. */
 static inline int pg_r16_base(int type) { return type - 100; }
 static inline int64_t pg_b32_bytes(int base) { return base == 2 ? 18 : base == 3 ? 20 : 34; }

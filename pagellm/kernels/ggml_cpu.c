@@ -481,7 +481,7 @@ static void dequant_q6_16(const uint8_t *W, int64_t row_bytes, int64_t n, int64_
 /* Row n of W as K float32 values, whatever the layout. */
 static void dequant_row_n(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K,
                           float *out) {
-    if (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)
+    if (pg_is_k16(type))
         dequant_k16(W, row_bytes, n, K, type == PG_Q5_K_R16, out);
     else if (type == PG_Q6_K_R16)
         dequant_q6_16(W, row_bytes, n, K, out);
@@ -731,7 +731,7 @@ void pg_gemm_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int6
  * memory failure. */
 int pg_gemm(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
             const float *X, int64_t ldx, int64_t M, float *Y, int64_t ldy) {
-    if (!pg_type_supported(type) || (pg_is_r16(type) && N % 16)) return -1;
+    if (!pg_type_supported(type) || (pg_rows16(type) && N % 16)) return -1;
     atomic_int failed = 0;
     PG_TEAM_RUN(N * K * M >= PG_PARALLEL_MIN, {
         float *wrow = (float *)aligned_alloc(64, (size_t)pg_gemm_scratch(K) * sizeof(float));

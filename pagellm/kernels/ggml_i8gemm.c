@@ -179,7 +179,7 @@ static void unpack_tile(int type, int kind, const uint8_t *W, int64_t row_bytes,
                 uint8_t block[210];
                 pg_q6_16_file_block(W, row_bytes, r0 + i, g >> 3, block);
                 unpack_group(I_Q6_K, block, g & 7, u, s, &m);
-            } else if (have && (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)) {
+            } else if (have && pg_is_k16(type)) {
                 unpack_group_k16(W, row_bytes, r0 + i, g, type == PG_Q5_K_R16, u, s, &m);
             } else if (have && pg_is_r16(type)) { /* the file's block, put back together */
                 uint8_t block[34];
@@ -376,7 +376,7 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
         unpack_tile_q6_16(W, row_bytes, r0, G, tile);
         return;
     }
-    if ((type == PG_Q4_K_R16 || type == PG_Q5_K_R16) && N - r0 >= 16) {
+    if (pg_is_k16(type) && N - r0 >= 16) {
         unpack_tile_k16(W, row_bytes, r0, G, type == PG_Q5_K_R16, tile);
         return;
     }
@@ -416,7 +416,7 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
                 uint8_t block[210];
                 pg_q6_16_file_block(W, row_bytes, n, g >> 3, block);
                 v = group_vec(I_Q6_K, block, g & 7, s, &m);
-            } else if (n < N && (type == PG_Q4_K_R16 || type == PG_Q5_K_R16)) { /* row n's sub-block */
+            } else if (n < N && pg_is_k16(type)) { /* row n's sub-block */
                 const int five = type == PG_Q5_K_R16;
                 const uint8_t *b = pg_k16_block(W, row_bytes, n, g >> 3, five);
                 uint8_t q[16];
@@ -559,7 +559,7 @@ int64_t pg_gemm_i8_tile_bytes(int type, int64_t K) {
 int pg_gemm_i8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                int64_t ldy) {
-    if (K % 32 != 0 || !pg_i8gemm_supported(type) || (pg_is_r16(type) && N % 16)) return -1;
+    if (K % 32 != 0 || !pg_i8gemm_supported(type) || (pg_rows16(type) && N % 16)) return -1;
     const int64_t bytes = pg_gemm_i8_tile_bytes(type, K);
     int failed = 0;
 #pragma omp parallel if (M * N * K >= 1 << 22) reduction(| : failed)

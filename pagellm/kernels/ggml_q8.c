@@ -979,7 +979,7 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                      const pg_team *team) {
 #ifdef PG_AVX2
     int64_t n0, n1; /* the 16-row layouts: whole groups of 16 rows */
-    const int64_t unit = type == PG_Q4_K_R16 || type == PG_Q5_K_R16 || type == PG_Q6_K_R16 || pg_is_r16(type) ? 16 : 1;
+    const int64_t unit = pg_rows16(type) ? 16 : 1;
     pg_share_if(N * K * M * levels >= Q8_PARALLEL_MIN, N / unit, team, &n0, &n1);
     n0 *= unit;
     n1 *= unit;
@@ -1002,7 +1002,7 @@ void pg_gemm_q8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
                 out[r] = type == PG_Q6_K_R16
                              ? dot_q6_16(W, row_bytes, n, K, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                          SX + (m0 + r) * (K / 16))
-                         : type == PG_Q4_K_R16 || type == PG_Q5_K_R16
+                         : pg_is_k16(type)
                              ? dot_k16(W, row_bytes, n, K, type == PG_Q5_K_R16, QX + (m0 + r) * K, DX + (m0 + r) * (K / 32),
                                       SX + (m0 + r) * (K / 16))
                          : pg_is_r16(type)
@@ -1048,7 +1048,7 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
                const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, int64_t levels,
                float *Y, int64_t ldy) {
     if (!pg_q8_supported(type) || K % 32 || (levels != 1 && levels != 2 && levels != 4) ||
-        ((pg_is_r16(type) || type == PG_Q4_K_R16 || type == PG_Q5_K_R16 || type == PG_Q6_K_R16) && N % 16))
+        (pg_rows16(type) && N % 16))
         return -1;
     const int parallel = N * K * M * levels >= Q8_PARALLEL_MIN;
     if (!pg_q8_claim) {

@@ -497,7 +497,8 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     kernel with the int8 GEMM's tile arithmetic, on the AVX2 path in scalars), and an input
     row's result does not depend on the other rows; its float32 rows equal Q4_K's bit for
     bit; row counts that are not a multiple of 16 and K that is not a multiple of 256 are
-    refused, and the loader keeps such groups as Q4_K."""
+    refused (and a product over part of a group), and the loader keeps such groups as the
+    file's."""
     lib = q8_isa
     rng = np.random.default_rng(21)
     n, k = 48, 768  # 3 groups of 16 rows; 3 super-blocks
@@ -528,6 +529,8 @@ def test_k_quant_r16_repack_holds_the_same_weights(qtype: str, q8_isa: Any) -> N
     assert torch.equal(gguf_method.gguf_matmul(packed, x, n), gguf_method.gguf_matmul(q4k, x, n))
     assert torch.equal(gguf_method.gguf_matmul(packed, x[:3], n), gguf_method.gguf_matmul(q4k, x[:3], n))
     bad = np.empty((n, 210 * 3), dtype=np.uint8)
+    xs, ys = torch.randn(2, k), torch.empty(2, n)  # a product over part of a 16-row group: refused
+    assert lib.pg_gemm(k16_t, k16.ctypes.data, k16.shape[1], 40, k, xs.data_ptr(), k, 2, ys.data_ptr(), n) == -1
     for rows, kk in ((44, k), (n, 512)):  # rows not a multiple of 16; row bytes not K's
         assert lib.pg_repack_k_r16(q4k_t, data.ctypes.data, data.shape[1], rows, kk, bad.ctypes.data) == -1
     assert lib.pg_repack_k_r16(int(gguf.GGMLQuantizationType.Q8_0), data.ctypes.data, data.shape[1], n, k,
