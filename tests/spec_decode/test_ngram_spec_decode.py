@@ -2,7 +2,8 @@
 the proposer on its own; then engines with and without speculation side by side on the
 real default model (GGUF blocks with float32 activations, the exact path, and with int8
 activations, each forced), on the one-region C step and the module path, and on a tiny
-float32-weight model: greedy tokens identical, logprobs equal, sampled tokens from the same
+float32-weight model, and on a tiny Q4_K_M-mix file (the K-quants' 16-row layouts): greedy
+tokens identical, logprobs equal, sampled tokens from the same
 distribution, KV back to empty (the engine core runs in-process, its invariants checked
 after every step)."""
 
@@ -16,6 +17,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode import MAX_STEP_ROWS, NgramProposer
+from tests.model_executor.test_gguf_quantized import q4_k_m_file  # noqa: F401 (a fixture)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 PASSAGE = ("We hold these truths to be self-evident, that all men are created equal, that they "
@@ -257,3 +259,29 @@ def test_a_prompt_finishing_beside_verify_runs_keeps_its_tokens() -> None:
         finally:
             llm.shutdown()
     assert outputs[1] == outputs[0] and len(outputs[0]) == 3
+
+
+@pytest.mark.parametrize("path", ["c_step", "module"])
+def test_greedy_tokens_identical_on_k_quants(q4_k_m_file: str, path: str) -> None:
+    """A tiny Llama in Q4_K_M's mix on the int8 path (its Q4_K and Q6_K linears repacked
+    sixteen rows at a time where that path runs on AVX-512 VNNI, the file's layouts
+    elsewhere): verify runs of up to 5 rows give the tokens plain decoding gives, alone and
+    batched, and the KV cache empties."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41, 42, 40, 41, 42, 40, 41]},
+               {"prompt_token_ids": list(range(100, 130))}]
+    plain = _engine(q4_k_m_file, None, gguf_activations="q8")
+    spec = _engine(q4_k_m_file, SPEC, gguf_activations="q8")
+    try:
+        if path == "module":
+            _module_path(plain)
+            _module_path(spec)
+        want = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+        assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == want
+        for prompt, alone in zip(prompts, want):
+            assert _ids(spec.generate(prompt, GREEDY, use_tqdm=False)) == [alone]
+        totals = _core(spec).scheduler.spec_totals
+        assert totals.num_drafts > 0 and totals.num_accepted_tokens > 0
+        _assert_empty(spec)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
