@@ -35,3 +35,14 @@ def tiny_model(
         return make_tiny_model(family, tmp_path_factory, **overrides)
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama in Q4_K_M's mix (Q4_K, with Q6_K attn_v/ffn_down in some layers and
+    a Q6_K head), random weights, llama.cpp's q/k row order."""
+    from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
+
+    path = str(tmp_path_factory.mktemp("q4km") / "tiny-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=3), "q4_k_m", seed=1)
+    return path

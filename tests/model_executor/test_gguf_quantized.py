@@ -117,16 +117,6 @@ def test_gguf_matmul_groups_and_tiles(m: int, monkeypatch: pytest.MonkeyPatch) -
     assert np.linalg.norm(y.numpy() - y_ref) / np.linalg.norm(y_ref) <= 1e-5
 
 
-@pytest.fixture(scope="module")
-def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama in Q4_K_M's mix (Q4_K, with Q6_K attn_v/ffn_down in some layers and
-    a Q6_K head), random weights, llama.cpp's q/k row order."""
-    path = str(tmp_path_factory.mktemp("q4km") / "tiny-q4_k_m.gguf")
-    shape = dict(SHAPES["tiny"], layers=3)
-    write_llama_gguf(path, shape, "q4_k_m", seed=1)
-    return path
-
-
 def test_synthetic_file_has_q4_k_m_mix(q4_k_m_file: str) -> None:
     reader = weight_utils.open_gguf(q4_k_m_file)
     types = {t.name: t.tensor_type.name for t in reader.tensors}

@@ -17,7 +17,6 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode import MAX_STEP_ROWS, NgramProposer
-from tests.model_executor.test_gguf_quantized import q4_k_m_file  # noqa: F401 (a fixture)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 PASSAGE = ("We hold these truths to be self-evident, that all men are created equal, that they "
