@@ -93,11 +93,6 @@ void pg_gemm_amx_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, 
                       const uint16_t *A, int64_t M, float *Y, int64_t ldy, uint8_t *scratch,
                       const pg_team *team);
 
-/* Rows of a product from which the int8 GEMM's products run on AMX tiles in bfloat16
- * where the CPU has AMX-BF16 (amx_gemm.c): below, dequantizing the weights costs more
- * than the tiles save (the 1B shapes: 32 rows 0.7x the int8 GEMM's time, 64 rows 0.5x,
- * 512 rows 0.3-0.4x). The module path uses the same bound (quantization/gguf.py). */
-#define PG_AMX_MIN_ROWS 32
 void pg_head_rms_norm_part(float *x, int64_t ldx, int64_t T, int64_t nq, int64_t nk, int64_t D,
                            const float *wq, const float *wk, float eps, const pg_team *team);
 void pg_moe_route_part(const float *logits, int64_t T, int64_t E, int64_t k, int renorm,
@@ -168,6 +163,9 @@ typedef struct {
     int64_t i8_batched;  /* 1: the products of more than direct_rows rows round every row to
                           * int8 and take the int8 GEMM (ggml_i8gemm.c) for the groups it
                           * unpacks; the q8 rows then as above */
+    int64_t amx_min_rows; /* rows of a product from which those products run on AMX tiles in
+                           * bfloat16 instead, where the CPU has AMX-BF16 (amx_gemm.c): the
+                           * module path's bound, quantization/gguf.py amx_min_rows */
     float eps;
     const int64_t *positions, *slots, *q8_rows;
     pg_attn_view views[PG_MAX_VIEWS];
@@ -195,7 +193,8 @@ typedef struct {
     X(S, moe_down)
 #define PG_VIEW_FIELDS(X, S) X(S, table) X(S, lo) X(S, hi) X(S, table_stride) X(S, max_slots)
 #define PG_STEP_FIELDS(X, S) X(S, T) X(S, hidden) X(S, H) X(S, KVH) X(S, D) X(S, inter) X(S, NB) \
-    X(S, bs) X(S, kv_type) X(S, direct_rows) X(S, n_q8) X(S, int8_levels) X(S, i8_batched) X(S, eps) \
+    X(S, bs) X(S, kv_type) X(S, direct_rows) X(S, n_q8) X(S, int8_levels) X(S, i8_batched) \
+    X(S, amx_min_rows) X(S, eps) \
     X(S, positions) X(S, slots) X(S, q8_rows) X(S, views) X(S, moe_logits) X(S, moe_probs) \
     X(S, moe_weights) X(S, moe_x) X(S, moe_y) X(S, moe_ids) X(S, moe_rows) X(S, moe_slots) \
     X(S, moe_q8) X(S, normed) X(S, qkv) X(S, attn) X(S, gate_up) X(S, act)
@@ -311,7 +310,7 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
      * float32 first, then the decode rows' columns of q8 groups again, in int8) */
     const int q8 = takes_q8(L, s), every = q8 && s->n_q8 == T;
     const int i8 = !every && takes_i8(L, T, s);
-    const int amx = i8 && T >= PG_AMX_MIN_ROWS && pg_amx_ready(); /* every i8 group then */
+    const int amx = i8 && T >= s->amx_min_rows && pg_amx_ready(); /* every i8 group then */
     if (q8 || i8) { /* the q8 rows rounded once for every group; every row for the int8 GEMM */
         pg_claim_reset(team); /* idle: the team met after the last claims */
         if (q8)
@@ -458,7 +457,7 @@ static const pg_weight_group *rows_of(const pg_linear *L, int64_t start, int64_t
 static int gated_amx(const pg_layer *L, const pg_step *s, const scratch *sc, const pg_team *team) {
     const pg_linear *gu = &L->gate_up;
     const int64_t T = s->T, I = s->inter;
-    if (takes_q8(gu, s) || !takes_i8(gu, T, s) || T < PG_AMX_MIN_ROWS || !pg_amx_ready() ||
+    if (takes_q8(gu, s) || !takes_i8(gu, T, s) || T < s->amx_min_rows || !pg_amx_ready() ||
         gu->bias != NULL || gu->n_out != 2 * I)
         return 0;
     const uint8_t *dg, *du;
@@ -559,7 +558,7 @@ int pg_decode_layers(const pg_layer *layers, int64_t n_layers, const pg_step *s,
     int64_t wrow = pg_gemm_scratch(k_max), batched = pg_gemm_batched_wbuf(k_max);
     wrow = ((wrow > batched ? wrow : batched) + 15) / 16 * 16;
     int64_t tile_floats = 0;
-    const int amx = s->i8_batched && s->T >= PG_AMX_MIN_ROWS && pg_amx_ready();
+    const int amx = s->i8_batched && s->T >= s->amx_min_rows && pg_amx_ready();
 #define TILE_FOR(type_, k_)                                                                        \
     do {                                                                                           \
         int64_t f = pg_gemm_i8_tile_bytes((type_), (k_));                                          \

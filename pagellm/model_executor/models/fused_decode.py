@@ -39,6 +39,7 @@ from pagellm.model_executor.layers.quantization.gguf import (
     BATCHED_MAX_ROWS,
     DIRECT_MAX_ROWS,
     GGUFLinearMethod,
+    amx_min_rows,
     int8_gemm_rows,
     int8_rows,
 )
@@ -121,7 +122,7 @@ class _View(ctypes.Structure):  # pg_attn_view
 class _Step(ctypes.Structure):  # pg_step
     _fields_ = [
         *[(n, _i64) for n in ("T", "hidden", "H", "KVH", "D", "inter", "NB", "bs", "kv_type",
-                              "direct_rows", "n_q8", "int8_levels", "i8_batched")],
+                              "direct_rows", "n_q8", "int8_levels", "i8_batched", "amx_min_rows")],
         ("eps", _f32),
         *[(n, _ptr) for n in ("positions", "slots", "q8_rows")],
         ("views", _View * MAX_VIEWS),
@@ -329,7 +330,7 @@ class FusedDecodeStack:
         self.i8 = self.q8 and s.int8_levels == 1 and bool(lib.pg_i8gemm_fast())
         """Whether a step of only decodes, more than Q8_MAX_ROWS of them, rounds them to int8
         too and takes the int8 GEMM (pg_step.i8_batched), as `gguf_matmul` does
-        (`int8_gemm_rows`); steps with prompt rows keep float32 here."""
+        (`int8_gemm_rows`), and steps with prompt rows on AMX where the CPU has it."""
         self._layers_ptr = ctypes.addressof(self._layers)
         self._step_ptr = ctypes.addressof(self._step)
 
@@ -426,6 +427,7 @@ class FusedDecodeStack:
         s.NB, s.bs, s.kv_type = self.NB, self.bs, self.kv_type
         s.i8_batched = int(self.i8 and int8_gemm_rows(t))  # the runner's decodes, not the
         # metadata's one-token rows (a prompt's last token read alone is a prompt row)
+        s.amx_min_rows = amx_min_rows(t)
         for i, rows in enumerate(views):
             s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)

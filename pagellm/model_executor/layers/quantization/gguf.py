@@ -66,11 +66,12 @@ int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where th
 float kernels are faster than the decode kernels (benchmarks/kernel_shapes.py)."""
 
 AMX_MIN_ROWS = 32
-"""Rows of a product from which the int8 GEMM's products run on AMX tiles in bfloat16,
-where the CPU has AMX-BF16 (kernels/amx_gemm.c, PG_AMX_MIN_ROWS in decode_step.c): x and
-the dequantized weights rounded to bfloat16 (relative error <= 2^-9 each, less than one
-int8 level of x), summed in float32. Below it, dequantizing the weights costs more than
-the tiles save."""
+"""Rows of a step of decodes from which its int8 GEMM products run on AMX tiles in bfloat16
+instead, where the CPU has AMX-BF16 (kernels/amx_gemm.c): x and the dequantized weights
+rounded to bfloat16 (relative error <= 2^-9 each, less than one int8 level of x), summed in
+float32. Below it, dequantizing the weights costs more than the tiles save against the
+int8 kernels (the 1B shapes: 32 rows 0.7x the int8 GEMM's time, 64 rows 0.5x, 512 rows
+0.3-0.4x). A step with prompt rows takes AMX at any row count (`amx_min_rows`)."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
@@ -131,8 +132,10 @@ class GGUFConfig(QuantizationConfig):
                           if activations == "q8" and lib is not None and lib.pg_i8gemm_fast()
                           else "prompt rows float32")
                 if activations == "q8" and lib is not None and lib.pg_amx_ready():
-                    prompt += (f"; from {AMX_MIN_ROWS} rows those products run on AMX tiles in "
-                               "bfloat16 instead (PAGELLM_AMX=0: the int8 GEMM)")
+                    prompt = (f"prompt rows, and steps of more decodes from {AMX_MIN_ROWS}, on AMX "
+                              "tiles in bfloat16 (PAGELLM_AMX=0: the int8 GEMM for prompt chunks "
+                              f"over {BATCHED_MAX_ROWS} rows and steps of more decodes, shorter "
+                              "prompt chunks float32)")
                 logger.info("GGUF linears: decode rows (up to %d a step) multiply activations "
                             "rounded to int8 in %s (%s), the head's in two; %s; "
                             "gguf_activations='float32' (PAGELLM_GGUF_ACTIVATIONS=float32) for "
@@ -322,7 +325,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         m, k = x.shape
         code, half = getattr(act, "c_act", None), layer.out_features // 2
         if (not self.q8_activations or self.int8_levels != 1 or code is None or act.kernels is None
-                or x.dtype != torch.float32 or m < AMX_MIN_ROWS or k % 32 or not int8_gemm_rows(m)
+                or x.dtype != torch.float32 or m < amx_min_rows(m) or k % 32 or not int8_gemm_rows(m)
                 or int8_rows(m) is not None or not (lib := _kernels()).pg_amx_ready()):
             return None
         gate, up = _rows_view(layer.weight_groups, 0, half), _rows_view(layer.weight_groups, half, half)
@@ -426,21 +429,41 @@ def int8_gemm_rows(m: int) -> bool:
     """Whether the rows of an m-row product on the q8 path that are not int8 decode rows
     take the int8 GEMM (where the CPU has AVX-512 VNNI) rather than float32: a long prompt
     chunk (more than BATCHED_MAX_ROWS rows: 1.5-2x faster at 1B shapes, held to the q8
-    quality bounds, tests/model_executor/test_q8_quality.py), or a step of decodes only
-    (more than Q8_MAX_ROWS of them; a batched decode step 1.2-2.1x faster). Shorter prompt
-    chunks (a chat turn) stay float32: their time is small, and their last row's logits
-    pick the reply's first token, where one int8 level flips near-ties (the default model
-    answers "What is the capital of France?" with "L'Étoile, ..." from an int8 prompt,
-    "The capital of France is Paris." from a float32 one)."""
+    quality bounds, tests/model_executor/test_q8_quality.py), a step of decodes only
+    (more than Q8_MAX_ROWS of them; a batched decode step 1.2-2.1x faster), or, where the
+    CPU has AMX-BF16, any step with prompt rows: those products then run on AMX tiles in
+    bfloat16 (`amx_min_rows`), 3-8x faster than float32 at 1-256 rows. Without AMX shorter
+    prompt chunks (a chat turn) stay float32: their last row's logits pick the reply's
+    first token, where one int8 level flips near-ties (the default model answers "What is
+    the capital of France?" with "L'Étoile, ..." from an int8 prompt, "The capital of France
+    is Paris." from a float32 or a bfloat16 one)."""
     if m > BATCHED_MAX_ROWS:
         return True
+    prompt = _holds_prompt_rows(m)
+    if prompt is None:
+        return False
+    return (not prompt and m > Q8_MAX_ROWS) or (prompt and _kernels().pg_amx_ready() != 0)
+
+
+def amx_min_rows(m: int) -> int:
+    """Rows of an m-row product from which its int8 GEMM products run on AMX tiles instead
+    (where the CPU has AMX-BF16): AMX_MIN_ROWS for a step of decodes (or a product outside
+    a step), 1 for a step with prompt rows, whose other choice is float32."""
+    return 1 if _holds_prompt_rows(m) else AMX_MIN_ROWS
+
+
+def _holds_prompt_rows(m: int) -> bool | None:
+    """Whether an m-row product of a model step holds rows that are not the step's decodes
+    (prompt rows); None outside a step."""
     from pagellm.attention.backend import current_forward_context
 
     ctx = current_forward_context()
     if ctx is None:
-        return False
+        return None
     rows = ctx.decode_rows
-    return isinstance(rows, slice) and (rows.start, rows.stop) == (0, m) and m > Q8_MAX_ROWS
+    if rows is None:
+        return True
+    return (rows.stop - rows.start if isinstance(rows, slice) else rows.numel()) < m
 
 
 def _rows_view(groups: list[WeightGroup], start: int, rows: int) -> tuple[int, int, int] | None:
@@ -541,9 +564,10 @@ def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
     """x @ W.T with x rounded to int8 (one level) for the groups the int8 GEMM takes, into
     their columns of a new result; returns it and the groups left for float32. From
     AMX_MIN_ROWS rows, where the CPU has AMX-BF16, the same groups take the AMX kernel
-    instead (x and the weights in bfloat16, amx_gemm.c)."""
+    instead (x and the weights in bfloat16, amx_gemm.c), at any count for a step with prompt
+    rows (`amx_min_rows`)."""
     m, k = x.shape
-    if m >= AMX_MIN_ROWS and lib.pg_amx_ready():
+    if m >= amx_min_rows(m) and lib.pg_amx_ready():
         return _amx_product(lib, groups, x, n_out)
     y = torch.empty(m, n_out, dtype=torch.float32)
     qx, dx, sx = _quantize_q8(lib, x)
