@@ -257,9 +257,8 @@ def test_fused_stack_on_amx_equals_module_path(tmp_path: Any, monkeypatch: pytes
     one pass (gated_amx) and its runs of prompt rows attended together, against the module
     path (the same products through gguf_matmul and GGUFLinearMethod.apply_gated, prompt
     rows through pg_paged_prefill): a 35-decode step, a 70-row step of prompts beside
-    decodes, a 6-row step of prompt rows beside a one-token row (AMX at any row count:
-    quantization.gguf.amx_min_rows) and 4 prompt rows alone (int8 in two levels:
-    int8_prompt_step). Logits within 1e-5."""
+    decodes, and steps of prompt rows under 32 rows (which take AMX at any count:
+    quantization.gguf.amx_min_rows). Logits within 1e-5."""
     from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
 
     lib = load_kernels()
@@ -282,7 +281,7 @@ def test_fused_stack_on_amx_equals_module_path(tmp_path: Any, monkeypatch: pytes
         [(n, 1) for n in names],  # 35 decodes
         [(n, 1) for n in names],
         [(names[0], 1), (names[1], 2), (names[2], 3)],  # a one-token row beside two chunks: 6 rows
-        [(names[3], 4)],  # 4 rows of one prompt alone
+        [(names[3], 4)],  # 4 rows of one
     ]
     fused, modules, took = _stack_against_modules(model, mc, add, steps, block_size=16)
     assert took == [True] * len(steps)

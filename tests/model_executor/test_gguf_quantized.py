@@ -817,46 +817,35 @@ def test_q8_switch_is_checked_before_loading_and_said_ignored_off_gguf(
         f"PAGELLM_GGUF_ACTIVATIONS=q8 is ignored: {q4_k_m_file} does not run on GGUF blocks"]
 
 
-def test_prompt_rows_take_int8_or_amx_by_the_fixed_rule() -> None:
-    """The q8 path's choice for the rows of a step that are not decode rows. A step of
-    prompt rows only, up to PROMPT_INT8_MAX_ROWS rows (16, or 8 where the CPU has AMX-BF16),
-    multiplies every row in the int8 decode kernels in two levels (a layer's one level
-    raised to HEAD_INT8_LEVELS). Longer prompt steps, and prompt rows beside decodes, take
-    the int8 GEMM entry where the CPU has AMX-BF16, on AMX from the first row (amx_min_rows
-    1); without AMX only prompt chunks over BATCHED_MAX_ROWS do (float32 below). A step of
-    decodes keeps one level, takes the int8 GEMM past Q8_MAX_ROWS rows and AMX from
-    AMX_MIN_ROWS. Outside a step (the logits head): every row int8 in the layer's levels."""
+def test_prompt_rows_take_amx_at_any_count_where_the_cpu_has_it() -> None:
+    """The q8 path's choice for the rows of a step that are not int8 decode rows: a step
+    with prompt rows takes the int8 GEMM entry at any row count where the CPU has AMX-BF16,
+    and AMX from its first row (amx_min_rows 1); without AMX only prompt chunks over
+    BATCHED_MAX_ROWS do (float32 below); a step of decodes takes it past Q8_MAX_ROWS rows
+    and AMX from AMX_MIN_ROWS; outside a step (the logits head) neither."""
     from pagellm.attention.backend import set_forward_context
     from pagellm.model_executor.layers.quantization.gguf import (
         AMX_MIN_ROWS,
         BATCHED_MAX_ROWS,
-        PROMPT_INT8_MAX_ROWS,
         Q8_MAX_ROWS,
         amx_min_rows,
         int8_gemm_rows,
-        int8_levels,
-        int8_rows,
     )
 
     lib = kernels.load_kernels()
     if lib is None:
         pytest.skip("no C compiler")
     amx = bool(lib.pg_amx_ready())
-    short = PROMPT_INT8_MAX_ROWS[1 if amx else 0]
-    assert short == (8 if amx else 16)
 
-    def rule(m: int, decodes: slice) -> tuple[Any, int, bool, int]:
+    def rule(m: int, decodes: slice | None) -> tuple[bool, int]:
         with set_forward_context(None, [], decodes):
-            return int8_rows(m), int8_levels(1, m), int8_gemm_rows(m), amx_min_rows(m)
+            return int8_gemm_rows(m), amx_min_rows(m)
 
-    for m in (1, short):  # prompt rows only, short: all int8, two levels
-        assert rule(m, slice(0, 0)) == (slice(0, m), 2, amx, 1), m
-    for m in (short + 1, 40, BATCHED_MAX_ROWS):
-        assert rule(m, slice(0, 0)) == (None, 1, amx, 1), m
-    assert rule(BATCHED_MAX_ROWS + 1, slice(0, 0)) == (None, 1, True, 1)
-    for m in (2, 5, 40):  # a decode beside a prompt chunk: the decode int8 in one level
-        assert rule(m, slice(0, 1)) == (slice(0, 1), 1, amx, 1), m
-    assert rule(Q8_MAX_ROWS, slice(0, Q8_MAX_ROWS)) == (slice(0, Q8_MAX_ROWS), 1, False, AMX_MIN_ROWS)
-    assert rule(Q8_MAX_ROWS + 1, slice(0, Q8_MAX_ROWS + 1)) == (None, 1, True, AMX_MIN_ROWS)
-    assert (int8_rows(8), int8_levels(1, 8), int8_gemm_rows(8), amx_min_rows(8)) == (
-        slice(0, 8), 1, False, AMX_MIN_ROWS)  # no step
+    for m in (1, 5, 17, 40, BATCHED_MAX_ROWS):
+        assert rule(m, slice(0, 0)) == (amx, 1), m  # prompt rows only
+        if m > 1:
+            assert rule(m, slice(0, 1)) == (amx, 1), m  # a decode beside a prompt chunk
+    assert rule(BATCHED_MAX_ROWS + 1, slice(0, 0)) == (True, 1)
+    assert rule(Q8_MAX_ROWS, slice(0, Q8_MAX_ROWS)) == (False, AMX_MIN_ROWS)
+    assert rule(Q8_MAX_ROWS + 1, slice(0, Q8_MAX_ROWS + 1)) == (True, AMX_MIN_ROWS)
+    assert (int8_gemm_rows(8), amx_min_rows(8)) == (False, AMX_MIN_ROWS)  # no step

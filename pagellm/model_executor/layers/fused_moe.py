@@ -32,7 +32,6 @@ from pagellm.model_executor.layers.quantization.gguf import (
     WeightGroup,
     _as_block_matrix,
     gguf_matmul,
-    int8_levels,
     int8_rows,
 )
 from pagellm.platforms import platform_of
@@ -156,10 +155,9 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(x)
         hit = torch.bincount(ids.reshape(-1), minlength=self.num_experts).nonzero().flatten().tolist()
         q8 = self._q8_mask(x.shape[0]) if self.gguf else None
-        levels = int8_levels(self.int8_levels, x.shape[0]) if q8 is not None else 1  # the step's
         for expert in hit:
             rows, slot = torch.where(ids == expert)
-            h = self._expert(expert, x[rows], None if q8 is None else q8[rows], levels)
+            h = self._expert(expert, x[rows], None if q8 is None else q8[rows])
             out.index_add_(0, rows, h * weights[rows, slot, None])
         return out
 
@@ -174,16 +172,15 @@ class FusedMoE(nn.Module):
         mask[rows] = True
         return mask
 
-    def _expert(self, expert: int, x: torch.Tensor, q8: torch.Tensor | None,
-                levels: int = 1) -> torch.Tensor:
-        """Expert `expert`'s MLP on its rows x [M, H]; its int8 rows `q8` in `levels`."""
+    def _expert(self, expert: int, x: torch.Tensor, q8: torch.Tensor | None) -> torch.Tensor:
+        """Expert `expert`'s MLP on its rows x [M, H]."""
         if not self.gguf:
             return F.linear(self.act.forward(F.linear(x, self.w13[expert])), self.w2[expert])
         gate_up, down = self.expert_groups[expert]
         rows: slice | torch.Tensor | None = None
         if q8 is not None and bool(q8.any()):
             rows = slice(0, x.shape[0]) if bool(q8.all()) else q8.nonzero().flatten()
-        kw = {"float_direct_rows": 0, "int8_levels": levels} if self.q8 else {}
+        kw = {"float_direct_rows": 0, "int8_levels": self.int8_levels} if self.q8 else {}
         h = gguf_matmul(gate_up, x, 2 * self.intermediate_size, rows, **kw)
         return gguf_matmul(down, self.act.forward(h), self.hidden_size, rows, **kw)
 

@@ -41,7 +41,6 @@ from pagellm.model_executor.layers.quantization.gguf import (
     GGUFLinearMethod,
     amx_min_rows,
     int8_gemm_rows,
-    int8_levels,
     int8_rows,
 )
 from pagellm.model_executor.layers.rotary_embedding import RopeTables
@@ -324,11 +323,11 @@ class FusedDecodeStack:
             setattr(self._step, name, buf.data_ptr())
         s = self._step
         s.hidden, s.H, s.KVH, s.D, s.inter = self.hidden, self.H, self.KVH, self.D, self.inter
-        self.q8, self.levels = _q8_activations(parts)
+        self.q8, s.int8_levels = _q8_activations(parts)
         """Whether the step's decode rows multiply int8 activations (int8_rows); the float
         rows then take the batched kernel at any count, as on the module path."""
         s.eps, s.direct_rows = self.eps, 0 if self.q8 else DIRECT_MAX_ROWS
-        self.i8 = self.q8 and self.levels == 1 and bool(lib.pg_i8gemm_fast())
+        self.i8 = self.q8 and s.int8_levels == 1 and bool(lib.pg_i8gemm_fast())
         """Whether a step of only decodes, more than Q8_MAX_ROWS of them, rounds them to int8
         too and takes the int8 GEMM (pg_step.i8_batched), as `gguf_matmul` does
         (`int8_gemm_rows`), and steps with prompt rows on AMX where the CPU has it."""
@@ -429,7 +428,6 @@ class FusedDecodeStack:
         s.i8_batched = int(self.i8 and int8_gemm_rows(t))  # the runner's decodes, not the
         # metadata's one-token rows (a prompt's last token read alone is a prompt row)
         s.amx_min_rows = amx_min_rows(t)
-        s.int8_levels = int8_levels(self.levels, t)
         for i, rows in enumerate(views):
             s.views[i].max_slots, s.views[i].table_stride = rows.max_slots, rows.block_table.stride(0)
         res = torch.empty_like(x)

@@ -311,9 +311,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
             if rest:
                 y = _float_product(lib, rest, x, layer.out_features, DIRECT_MAX_ROWS, y)
         elif self.q8_activations:  # float32 rows take the batched kernel at any count
-            m = x.shape[0]
-            y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(m),
-                            float_direct_rows=0, int8_levels=int8_levels(self.int8_levels, m),
+            y = gguf_matmul(layer.weight_groups, x, layer.out_features, int8_rows(x.shape[0]),
+                            float_direct_rows=0, int8_levels=self.int8_levels,
                             int8_prompt=self.int8_levels == 1)
         else:
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
@@ -412,63 +411,18 @@ def _release_mapped(data: np.ndarray) -> None:
 def int8_rows(m: int) -> slice | torch.Tensor | None:
     """The rows of an m-row product that multiply int8 activations in the decode kernels
     (pg_gemm_q8) on the q8 path. In a model step: the step's decodes (one new token of a
-    running request), or every row of a short step of prompt rows only (`int8_prompt_step`:
-    a chat turn's first token, in two levels); other prompt chunks stay float32 or take the
-    int8 GEMM or AMX (`int8_gemm_rows`), so that neither kind of row's numbers depend on
-    what else the step holds. Outside a step (the logits head, direct calls): every row.
-    None where there are none or more than Q8_MAX_ROWS (then the int8 GEMM or float32,
-    `int8_gemm_rows`)."""
+    running request); prompt chunks stay float32 (long ones take the int8 GEMM:
+    `int8_gemm_rows`), so that neither kind of row's numbers depend on what else the step
+    holds. Outside a step (the logits head, direct calls): every row. None where there are
+    none or more than Q8_MAX_ROWS (then the int8 GEMM or float32, `int8_gemm_rows`)."""
     from pagellm.attention.backend import current_forward_context
 
     ctx = current_forward_context()
     rows = slice(0, m) if ctx is None else ctx.decode_rows
-    if int8_prompt_step(m):
-        return slice(0, m)
     if rows is None:
         return None
     n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
     return rows if 0 < n <= Q8_MAX_ROWS else None
-
-
-PROMPT_INT8_MAX_ROWS = (16, 8)
-"""Rows of a step of prompt rows only up to which every row multiplies int8 activations in
-two levels (HEAD_INT8_LEVELS: perplexity +0.0002%, top-1 equal at 100% on the default
-model, tests/model_executor/test_q8_quality.py) in the decode kernels, which read each
-weight once for all rows: (without AMX-BF16, with it). Past it the rows take float32 tiles
-or, where the CPU has AMX-BF16, AMX tiles, whose dequantization of every weight costs ~2.5x
-a one-row step whatever the row count. Measured on the Intel Xeon, prompt-only steps
-(int8 two levels against AMX, ms): 1B-shaped Q4_K_M file 1 row 34 / 86, 8 rows 74 / 85,
-12 rows 100 / 85; 8B-shaped 1 row 191 / 554, 8 rows 502 / 563, 12 rows 730 / 585; default
-model 8 rows 11.1 / 12.0, 12 rows 15.9 / 13.6. Against float32 tiles (PAGELLM_AMX=0) the
-int8 rows win at every count: 1B file 16 rows 135 / 232."""
-
-
-def int8_prompt_step(m: int) -> bool:
-    """Whether an m-row product is a step of prompt rows only short enough for the int8
-    decode kernels in two levels (PROMPT_INT8_MAX_ROWS); then `int8_levels` is two."""
-    if _decode_count() != 0:
-        return False
-    return 0 < m <= PROMPT_INT8_MAX_ROWS[1 if _kernels().pg_amx_ready() else 0]
-
-
-def int8_levels(levels: int, m: int) -> int:
-    """The int8 levels an m-row product rounds its int8 rows in: a layer's own (`levels`),
-    and at least HEAD_INT8_LEVELS in a short step of prompt rows only (int8_prompt_step),
-    whose last row picks the reply's first token."""
-    return max(levels, HEAD_INT8_LEVELS) if int8_prompt_step(m) else levels
-
-
-def _decode_count() -> int | None:
-    """The current step's decode rows; None outside a step."""
-    from pagellm.attention.backend import current_forward_context
-
-    ctx = current_forward_context()
-    if ctx is None:
-        return None
-    rows = ctx.decode_rows
-    if rows is None:
-        return 0
-    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 def int8_gemm_rows(m: int) -> bool:
@@ -478,11 +432,17 @@ def int8_gemm_rows(m: int) -> bool:
     quality bounds, tests/model_executor/test_q8_quality.py), a step of decodes only
     (more than Q8_MAX_ROWS of them; a batched decode step 1.2-2.1x faster), or, where the
     CPU has AMX-BF16, any step with prompt rows: those products then run on AMX tiles in
-    bfloat16 (`amx_min_rows`), 3-8x faster than float32 at 1-256 rows. Without AMX shorter
-    prompt chunks (a chat turn) stay float32: their last row's logits pick the reply's
-    first token, where one int8 level flips near-ties (the default model answers "What is
-    the capital of France?" with "L'Étoile, ..." from an int8 prompt, "The capital of France
-    is Paris." from a float32 or a bfloat16 one)."""
+    bfloat16 (`amx_min_rows`), 2.5-6x faster than float32 at 1-256 rows (1B-shaped file).
+    Without AMX shorter prompt chunks (a chat turn) stay float32: their last row's logits
+    pick the reply's first token, where one int8 level flips near-ties (the default model
+    answers "What is the capital of France?" with "L'Étoile, ..." from an int8 prompt, "The
+    capital of France is Paris." from a float32 or a bfloat16 one). Either way a prompt
+    row's numbers do not depend on the step's row count, so a prompt gives the same tokens
+    alone, batched, or after a prefix-cache hit (tests/entrypoints/test_llm.py). Measured and
+    left: a few prompt rows alone through the int8 decode kernels in two levels, faster
+    than AMX up to ~8 rows (1B-shaped file, one row: 34 against 86 ms; 8B-shaped 191
+    against 554), but their numbers are not AMX's, so a prompt read alone and the same
+    prompt batched, or its tail after a prefix-cache hit, gave different tokens."""
     if m > BATCHED_MAX_ROWS:
         return True
     prompt = _holds_prompt_rows(m)
@@ -501,8 +461,15 @@ def amx_min_rows(m: int) -> int:
 def _holds_prompt_rows(m: int) -> bool | None:
     """Whether an m-row product of a model step holds rows that are not the step's decodes
     (prompt rows); None outside a step."""
-    n = _decode_count()
-    return None if n is None else n < m
+    from pagellm.attention.backend import current_forward_context
+
+    ctx = current_forward_context()
+    if ctx is None:
+        return None
+    rows = ctx.decode_rows
+    if rows is None:
+        return True
+    return (rows.stop - rows.start if isinstance(rows, slice) else rows.numel()) < m
 
 
 def _rows_view(groups: list[WeightGroup], start: int, rows: int) -> tuple[int, int, int] | None:
