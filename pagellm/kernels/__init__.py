@@ -92,6 +92,27 @@ def find_compiler() -> str | None:
 
 
 @functools.cache
+def build_key(compiler: str | None = None, flags: tuple[str, ...] | list[str] | None = None) -> str:
+    """The hash of the kernels' sources, compiler, flags and CPU that names a build (the
+    SIMD build's by default): what the library computes, and how it lays out repacked
+    weights, can change only with it."""
+    compiler = compiler or find_compiler() or ""
+    flags = list(flags) if flags is not None else _compile_flags(True)
+    described = " ".join([compiler, *flags, *sorted(_cpu_flags())]).encode()
+    return hashlib.sha256(_sources() + described).hexdigest()[:16]
+
+
+@functools.cache
+def _sources() -> bytes:
+    """The C sources and headers, concatenated."""
+    source = b""
+    for path in [*_SOURCES, *_HEADERS]:
+        with open(path, "rb") as f:
+            source += f.read()
+    return source
+
+
+@functools.cache
 def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     """The compiled kernel library (built once per source/flags/CPU, then cached).
     `simd=False` builds the portable C paths only (tests check both builds)."""
@@ -104,13 +125,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
         )
         return None
     flags = _compile_flags(simd)
-    source = b""
-    for path in [*_SOURCES, *_HEADERS]:
-        with open(path, "rb") as f:
-            source += f.read()
-    key = hashlib.sha256(
-        source + " ".join([compiler, *flags, *sorted(_cpu_flags())]).encode()
-    ).hexdigest()[:16]
+    key = build_key(compiler, tuple(flags))
     out_dir = os.path.join(envs.PAGELLM_CACHE_DIR, "kernels", key)
     lib_path = os.path.join(out_dir, "pagellm_kernels.so")
     if not os.path.isfile(lib_path):
@@ -228,7 +243,7 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     ctypes.c_int.in_dll(lib, "pg_amx_on").value = int(envs.PAGELLM_AMX)
     declared = {name: (fn.argtypes or [], fn.restype) for name, fn in vars(lib).items()
                 if name.startswith("pg_")}
-    check_bindings(declared, c_signatures(source.decode(errors="replace")))
+    check_bindings(declared, c_signatures(_sources().decode(errors="replace")))
     return lib
 
 

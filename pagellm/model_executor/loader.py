@@ -370,11 +370,16 @@ def get_model(model_config: Any, device: torch.device, attn_backend: type) -> nn
     missing = sorted(_expected_param_names(model) - loaded)
     if missing:
         raise ValueError(f"{path}: checkpoint lacks weights: {', '.join(missing[:8])}")
-    # 4. Let modules re-lay out their loaded weights for the device's kernels.
-    for module in list(model.modules()):
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
+    # 4. Let modules re-lay out their loaded weights for the device's kernels (GGUF
+    # groups repacked for the int8 kernels come from, or go to, the file's repack cache).
+    from pagellm.model_executor.layers.quantization.gguf import RepackCache
+
+    gguf_blocks = quant_config is not None and quant_config.get_name() == "gguf"
+    with RepackCache.open(_gguf_cache_dir(path) if gguf_blocks else None):
+        for module in list(model.modules()):
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
     return model.eval()
 
 

@@ -849,3 +849,80 @@ def test_prompt_rows_take_amx_at_any_count_where_the_cpu_has_it() -> None:
     assert rule(Q8_MAX_ROWS, slice(0, Q8_MAX_ROWS)) == (False, AMX_MIN_ROWS)
     assert rule(Q8_MAX_ROWS + 1, slice(0, Q8_MAX_ROWS + 1)) == (True, AMX_MIN_ROWS)
     assert (int8_gemm_rows(8), amx_min_rows(8)) == (False, AMX_MIN_ROWS)  # no step
+
+
+def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load of a GGUF file writes its repacked groups to the repack cache
+    (<cache>/gguf/<key>/repacked.json and the file it names); the next load maps them
+    read-only instead of repacking (no repack call), with the same bytes and types. A
+    changed file gets a new key, an index of another kernel build is ignored and
+    rewritten, and PAGELLM_GGUF_CACHE=0 writes nothing."""
+    import json
+
+    from pagellm.model_executor.loader import _gguf_cache_dir
+
+    if not gguf_method.repack_weights():
+        pytest.skip("no repacked layouts here (the int8 kernels need AVX-512 VNNI)")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
+    path = str(tmp_path / "tiny-q4_k_m.gguf")
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=3)
+    backend = get_attn_backend("torch")
+    lib = kernels.load_kernels()
+
+    def load() -> tuple[list[Any], int]:
+        """The model's weight groups, and how many groups the load repacked."""
+        counted = _CountingRepacks(lib)
+        monkeypatch.setattr(gguf_method, "_kernels", lambda: counted)
+        model = get_model(make_model_config(path, quantization="gguf"), torch.device("cpu"), backend)
+        monkeypatch.setattr(gguf_method, "_kernels", lambda: lib)
+        groups = [g for m in model.modules() for g in getattr(m, "weight_groups", None) or []]
+        return groups, counted.repacks
+
+    first, repacks = load()
+    directory = _gguf_cache_dir(path)
+    with open(os.path.join(directory, "repacked.json")) as f:
+        index = json.load(f)
+    repacked = [g for g in first if g.qtype in gguf_method.TYPE_NAMES]
+    assert repacks == len(index["entries"]) > 0 and len(repacked) >= repacks
+    assert index["build"] == kernels.build_key()
+    second, repacks = load()
+    assert repacks == 0
+    assert [g.qtype for g in second] == [g.qtype for g in first]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    cached = [g for g in second if g.qtype in gguf_method.TYPE_NAMES]
+    assert all(not g.data.flags.writeable for g in cached)  # views of the cache file
+    index["build"] = "another build"
+    with open(os.path.join(directory, "repacked.json"), "w") as f:
+        json.dump(index, f)
+    _, repacks = load()
+    assert repacks == len(index["entries"])
+    with open(os.path.join(directory, "repacked.json")) as f:
+        assert json.load(f)["build"] == kernels.build_key()
+    assert len([n for n in os.listdir(directory) if n.endswith(".bin")]) == 1  # the old one removed
+    os.utime(path, ns=(1, 1))
+    assert _gguf_cache_dir(path) != directory
+    monkeypatch.setenv("PAGELLM_GGUF_CACHE", "0")
+    _, repacks = load()  # the changed file, with the cache off: repacked, nothing written
+    assert repacks == len(index["entries"])
+    assert sorted(os.listdir(tmp_path / "cache" / "gguf")) == [os.path.basename(directory)]
+
+
+class _CountingRepacks:
+    """The kernel library, counting the repack calls made through it."""
+
+    def __init__(self, lib: Any):
+        self.lib, self.repacks = lib, 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.lib, name)
+        if name not in ("pg_repack_k_r16", "pg_repack_r16"):
+            return fn
+
+        def counted(*args: Any) -> Any:
+            self.repacks += 1
+            return fn(*args)
+
+        return counted

@@ -370,24 +370,167 @@ def repack_weights() -> bool:
 
 def _repacked(group: WeightGroup, k: int) -> WeightGroup:
     """A Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 or Q8_0 group in its 16-row layout, in memory of
-    its own (other groups, and groups whose rows do not fill the layout's, as they are); the
-    file's pages it was read from are released from this process (the page cache keeps
-    them), so memory stays ~ the file's."""
-    lib = _kernels()
+    its own or read from the repack cache of the file (RepackCache; other groups, and
+    groups whose rows do not fill the layout's, as they are); the file's pages it was read
+    from are released from this process (the page cache keeps them), so memory stays ~ the
+    file's."""
     if group.qtype in K_R16_TYPES and group.rows % 16 == 0 and k % 256 == 0:
         qtype, sb_bytes = K_R16_TYPES[group.qtype]
-        out = np.empty((group.rows, sb_bytes * (k // 256)), dtype=np.uint8)
-        failed = lib.pg_repack_k_r16(group.qtype, group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+        shape = (group.rows, sb_bytes * (k // 256))
     elif group.qtype in R16_TYPES and group.rows % 16 == 0 and k % 32 == 0:
-        out = np.empty_like(group.data)
-        qtype = R16_TYPES[group.qtype]
-        failed = lib.pg_repack_r16(qtype, group.ptr, group.row_bytes, group.rows, k, out.ctypes.data)
+        qtype, shape = R16_TYPES[group.qtype], group.data.shape
     else:
         return group
-    if failed:
-        return group
+    cache = RepackCache.active
+    out = cache.take(group, k, qtype, shape) if cache is not None else None
+    if out is None:
+        out = np.empty(shape, dtype=np.uint8)
+        lib = _kernels()
+        repack = lib.pg_repack_k_r16 if group.qtype in K_R16_TYPES else lib.pg_repack_r16
+        if repack(group.qtype if group.qtype in K_R16_TYPES else qtype, group.ptr, group.row_bytes,
+                  group.rows, k, out.ctypes.data):
+            return group
+        if cache is not None:
+            cache.keep(out)
     _release_mapped(group.data)
     return WeightGroup(qtype, out, group.row_start, group.rows)
+
+
+class RepackCache:
+    """A GGUF file's repacked groups kept on disk (`<cache>/gguf/<key>/repacked-*.bin`,
+    named by its index, `repacked.json`), so that a later load maps them instead of repacking: the
+    8B-shaped Q4_K_M file's load went from 2.6-5.4 s to ~0.5 s (benchmarks/README.md),
+    and engine cores that load the same file (data parallel ranks) share those pages.
+
+    Entries follow the order of the load's `_repacked` calls, each checked against its
+    source (type, rows, row bytes, K) and its layout; the key of the directory holds the
+    file's path, size and modification time, and the index the kernels' build key
+    (`kernels.build_key`: the layouts are the C code's), so a changed file or kernel never
+    reads a stale layout. Any miss rewrites the whole file once the load ends (atomically:
+    a process mapping the old one keeps reading it). PAGELLM_GGUF_CACHE=0 turns it off
+    with the rest of the GGUF cache."""
+
+    active: RepackCache | None = None
+    """The cache of the load under way (`open`), read by `_repacked`."""
+
+    FORMAT = 1
+
+    def __init__(self, directory: str):
+        import json
+        import os
+
+        from pagellm.kernels import build_key
+
+        self.directory = directory
+        self.index_file = os.path.join(directory, "repacked.json")
+        self.bin: str | None = None
+        self.build = build_key()
+        self.entries: list[dict[str, Any]] = []
+        self.mapping: Any = None
+        self.calls: list[tuple[dict[str, Any], np.ndarray]] = []
+        self.missed = False
+        try:
+            with open(self.index_file) as f:
+                index = json.load(f)
+            if index.get("format") == self.FORMAT and index.get("build") == self.build:
+                self.bin = os.path.join(directory, os.path.basename(index["file"]))
+                self.mapping = self._map(self.bin)
+                self.entries = index["entries"]
+        except (OSError, ValueError, KeyError):
+            self.entries, self.mapping = [], None
+
+    @staticmethod
+    def _map(path: str) -> Any:
+        """The file mapped read-only (its pages faulted in at once where Linux can)."""
+        import mmap
+
+        with open(path, "rb") as f:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+
+    @classmethod
+    def open(cls, directory: str | None) -> Any:
+        """A context manager that makes the cache in `directory` active for the load in it
+        (None: no cache) and writes what it missed at the end."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope() -> Any:
+            cache = cls(directory) if directory is not None else None
+            cls.active = cache
+            try:
+                yield cache
+            finally:
+                cls.active = None
+            if cache is not None:
+                cache.commit()
+
+        return scope()
+
+    def take(self, group: WeightGroup, k: int, qtype: int, shape: tuple[int, ...]) -> np.ndarray | None:
+        """The cached layout of the load's next repacked group, or None (a miss)."""
+        entry = {"source": [group.qtype, group.rows, group.row_bytes, k], "type": qtype,
+                 "shape": list(shape)}
+        i = len(self.calls)
+        if not self.missed and self.mapping is not None and i < len(self.entries):
+            cached = self.entries[i]
+            if {key: cached.get(key) for key in entry} == entry:
+                n = int(np.prod(shape))
+                if cached["offset"] + n <= len(self.mapping):
+                    out = np.frombuffer(self.mapping, np.uint8, n, cached["offset"]).reshape(shape)
+                    self.calls.append((entry, out))
+                    return out
+        self.missed = True
+        self.calls.append((entry, None))  # type: ignore[arg-type]
+        return None
+
+    def keep(self, out: np.ndarray) -> None:
+        """The layout `_repacked` made for its last miss."""
+        self.calls[-1] = (self.calls[-1][0], out)
+
+    def commit(self) -> None:
+        """Rewrite the file with every group of this load where any was missed (a full
+        or read-only disk only costs the next load its speed)."""
+        import contextlib
+        import json
+        import os
+        import shutil
+        import time
+
+        if not (self.missed or len(self.calls) != len(self.entries)) or not self.calls:
+            return
+        if any(out is None for _, out in self.calls):
+            return  # a repack failed: nothing complete to keep
+        total = sum(out.nbytes for _, out in self.calls) + 4096 * len(self.calls)
+        directory = self.directory
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if shutil.disk_usage(directory).free < total + (1 << 30):
+                logger.info("Not caching repacked weights in %s: less than %.1f GB free",
+                            directory, (total + (1 << 30)) / 1e9)
+                return
+            # a file of its own, named by the index: the index's replacement is the one
+            # switch, so a load never pairs an index with another write's data
+            name = f"repacked-{os.getpid()}-{time.time_ns()}.bin"
+            entries = []
+            with open(os.path.join(directory, name), "wb") as f:
+                for entry, out in self.calls:
+                    f.seek(-(-f.tell() // 4096) * 4096)  # each group page-aligned
+                    entries.append({**entry, "offset": f.tell()})
+                    f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
+            tmp = f"{self.index_file}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"format": self.FORMAT, "build": self.build, "file": name,
+                           "entries": entries}, f)
+            os.replace(tmp, self.index_file)
+            for old in os.listdir(directory):  # earlier writes (a mapping keeps its pages)
+                if old.startswith("repacked-") and old.endswith(".bin") and old != name:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, old))
+            logger.info("Cached %d repacked weight groups (%.1f GB) in %s", len(entries),
+                        total / 1e9, directory)
+        except OSError as e:
+            logger.warning("Could not cache repacked weights in %s: %s", directory, e)
 
 
 def _release_mapped(data: np.ndarray) -> None:
