@@ -92,7 +92,7 @@ def find_compiler() -> str | None:
 
 
 @functools.cache
-def build_key(compiler: str | None = None, flags: tuple[str, ...] | list[str] | None = None) -> str:
+def build_key(compiler: str | None = None, flags: tuple[str, ...] | None = None) -> str:
     """The hash of the kernels' sources, compiler, flags and CPU that names a build (the
     SIMD build's by default): what the library computes, and how it lays out repacked
     weights, can change only with it."""

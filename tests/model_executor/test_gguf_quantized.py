@@ -876,6 +876,7 @@ def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
         counted = _CountingRepacks(lib)
         monkeypatch.setattr(gguf_method, "_kernels", lambda: counted)
         model = get_model(make_model_config(path, quantization="gguf"), torch.device("cpu"), backend)
+        gguf_method.RepackCache.wait()  # the cache is written on a thread
         monkeypatch.setattr(gguf_method, "_kernels", lambda: lib)
         groups = [g for m in model.modules() for g in getattr(m, "weight_groups", None) or []]
         return groups, counted.repacks

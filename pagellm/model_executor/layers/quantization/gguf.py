@@ -384,14 +384,12 @@ def _repacked(group: WeightGroup, k: int) -> WeightGroup:
     cache = RepackCache.active
     out = cache.take(group, k, qtype, shape) if cache is not None else None
     if out is None:
-        out = np.empty(shape, dtype=np.uint8)
+        out = cache.buffer(shape) if cache is not None else np.empty(shape, dtype=np.uint8)
         lib = _kernels()
         repack = lib.pg_repack_k_r16 if group.qtype in K_R16_TYPES else lib.pg_repack_r16
         if repack(group.qtype if group.qtype in K_R16_TYPES else qtype, group.ptr, group.row_bytes,
                   group.rows, k, out.ctypes.data):
             return group
-        if cache is not None:
-            cache.keep(out)
     _release_mapped(group.data)
     return WeightGroup(qtype, out, group.row_start, group.rows)
 
@@ -403,17 +401,19 @@ class RepackCache:
     and engine cores that load the same file (data parallel ranks) share those pages.
 
     Entries follow the order of the load's `_repacked` calls, each checked against its
-    source (type, rows, row bytes, K) and its layout; the key of the directory holds the
-    file's path, size and modification time, and the index the kernels' build key
-    (`kernels.build_key`: the layouts are the C code's), so a changed file or kernel never
-    reads a stale layout. Any miss rewrites the whole file once the load ends (atomically:
-    a process mapping the old one keeps reading it). PAGELLM_GGUF_CACHE=0 turns it off
-    with the rest of the GGUF cache."""
+    source (type, rows, row bytes, K, first row, a checksum of its first and last rows' bytes)
+    and its layout; the key of the directory holds the file's path, size and modification
+    time, and the index the kernels' build key (`kernels.build_key`: the layouts are the C
+    code's), so a changed file or kernel never reads a stale layout. A miss makes every
+    group's layout in a memfd that a writer process (repack_writer.py) copies to a new file
+    once the load ends, then swaps the index to it: the load does not wait for the disk, a
+    process mapping the old file keeps reading it, and one process writes at a time.
+    PAGELLM_GGUF_CACHE=0 turns it off with the rest of the GGUF cache."""
 
     active: RepackCache | None = None
     """The cache of the load under way (`open`), read by `_repacked`."""
 
-    FORMAT = 1
+    FORMAT = 2
 
     def __init__(self, directory: str):
         import json
@@ -427,17 +427,23 @@ class RepackCache:
         self.build = build_key()
         self.entries: list[dict[str, Any]] = []
         self.mapping: Any = None
-        self.calls: list[tuple[dict[str, Any], np.ndarray]] = []
+        self.calls: list[tuple[dict[str, Any], Any]] = []
         self.missed = False
+        self.memfd: int | None = None
+        self.size = 0
+        """Bytes of the memfd the misses' layouts are made in (`buffer`)."""
         try:
             with open(self.index_file) as f:
                 index = json.load(f)
-            if index.get("format") == self.FORMAT and index.get("build") == self.build:
+            entries = index["entries"]
+            if (index["format"] == self.FORMAT and index["build"] == self.build
+                    and isinstance(index["file"], str) and isinstance(entries, list)
+                    and all(isinstance(e, dict) and isinstance(e.get("offset"), int)
+                            and e["offset"] >= 0 for e in entries)):
                 self.bin = os.path.join(directory, os.path.basename(index["file"]))
-                self.mapping = self._map(self.bin)
-                self.entries = index["entries"]
-        except (OSError, ValueError, KeyError):
-            self.entries, self.mapping = [], None
+                self.entries = entries
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.entries = []  # no index, or not one this version wrote: a miss
 
     @staticmethod
     def _map(path: str) -> Any:
@@ -469,68 +475,110 @@ class RepackCache:
 
     def take(self, group: WeightGroup, k: int, qtype: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """The cached layout of the load's next repacked group, or None (a miss)."""
-        entry = {"source": [group.qtype, group.rows, group.row_bytes, k], "type": qtype,
-                 "shape": list(shape)}
+        import zlib
+
+        rows = np.asarray(group.data)  # [rows, row bytes]: its first and last row's bytes
+        sample = zlib.crc32(rows[-1].tobytes(), zlib.crc32(rows[0].tobytes()))
+        entry = {"source": [group.qtype, group.rows, group.row_bytes, k, group.row_start, sample],
+                 "type": qtype, "shape": list(shape)}
         i = len(self.calls)
-        if not self.missed and self.mapping is not None and i < len(self.entries):
+        if not self.missed and self.bin is not None and i < len(self.entries):
             cached = self.entries[i]
-            if {key: cached.get(key) for key in entry} == entry:
+            try:
+                if self.mapping is None:  # mapped at the first group that may use it
+                    self.mapping = self._map(self.bin)
                 n = int(np.prod(shape))
-                if cached["offset"] + n <= len(self.mapping):
+                if ({key: cached.get(key) for key in entry} == entry
+                        and cached["offset"] + n <= len(self.mapping)):
                     out = np.frombuffer(self.mapping, np.uint8, n, cached["offset"]).reshape(shape)
                     self.calls.append((entry, out))
                     return out
+            except (OSError, ValueError, TypeError, KeyError):
+                pass  # a missing or short file: a miss
+        if not self.missed:  # the groups mapped so far go to the new file too
+            for hit, out in self.calls:
+                placed = self._place(hit, out.shape)
+                if placed is not None:
+                    placed[...] = out
         self.missed = True
-        self.calls.append((entry, None))  # type: ignore[arg-type]
+        self.calls.append((entry, None))
         return None
 
-    def keep(self, out: np.ndarray) -> None:
-        """The layout `_repacked` made for its last miss."""
-        self.calls[-1] = (self.calls[-1][0], out)
+    def buffer(self, shape: tuple[int, ...]) -> np.ndarray:
+        """Memory for the layout of the load's last miss (`_place`), else np.empty (then
+        nothing is cached)."""
+        entry = self.calls[-1][0]
+        out = self._place(entry, shape)
+        if out is None:
+            out = np.empty(shape, dtype=np.uint8)
+        self.calls[-1] = (entry, out)
+        return out
+
+    def _place(self, entry: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray | None:
+        """The next page-aligned part of a memfd (anonymous shared memory, where Linux has
+        them) for a group, its offset noted in `entry`: the writer process copies the memfd
+        to the cache file as it stands. None where there is no memfd."""
+        import mmap
+        import os
+
+        if self.memfd is None and hasattr(os, "memfd_create"):
+            try:
+                self.memfd = os.memfd_create("pagellm-repacked")
+            except OSError:
+                self.memfd = -1
+        if self.memfd is None or self.memfd < 0:
+            return None
+        n = int(np.prod(shape))
+        offset = -(-self.size // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.ftruncate(self.memfd, offset + n)
+        self.size = offset + n
+        entry["offset"] = offset
+        return np.frombuffer(mmap.mmap(self.memfd, n, offset=offset), np.uint8).reshape(shape)
 
     def commit(self) -> None:
-        """Rewrite the file with every group of this load where any was missed (a full
-        or read-only disk only costs the next load its speed)."""
-        import contextlib
+        """Where any group of this load was missed, hand every group to a writer process
+        (repack_writer.py, `writers`) that copies them to a new cache file and replaces the
+        index: the load goes on at once, and the write outlives this process (an 8B file's
+        4.4 GB takes ~12 s here once the kernel's limit of dirty pages is reached)."""
         import json
         import os
-        import shutil
-        import time
+        import subprocess
+        import sys
 
-        if not (self.missed or len(self.calls) != len(self.entries)) or not self.calls:
-            return
-        if any(out is None for _, out in self.calls):
-            return  # a repack failed: nothing complete to keep
-        total = sum(out.nbytes for _, out in self.calls) + 4096 * len(self.calls)
-        directory = self.directory
+        fd, self.memfd = self.memfd, None
         try:
-            os.makedirs(directory, exist_ok=True)
-            if shutil.disk_usage(directory).free < total + (1 << 30):
-                logger.info("Not caching repacked weights in %s: less than %.1f GB free",
-                            directory, (total + (1 << 30)) / 1e9)
+            if not (self.missed or len(self.calls) != len(self.entries)) or not self.calls:
                 return
-            # a file of its own, named by the index: the index's replacement is the one
-            # switch, so a load never pairs an index with another write's data
-            name = f"repacked-{os.getpid()}-{time.time_ns()}.bin"
-            entries = []
-            with open(os.path.join(directory, name), "wb") as f:
-                for entry, out in self.calls:
-                    f.seek(-(-f.tell() // 4096) * 4096)  # each group page-aligned
-                    entries.append({**entry, "offset": f.tell()})
-                    f.write(memoryview(np.ascontiguousarray(out)).cast("B"))
-            tmp = f"{self.index_file}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"format": self.FORMAT, "build": self.build, "file": name,
-                           "entries": entries}, f)
-            os.replace(tmp, self.index_file)
-            for old in os.listdir(directory):  # earlier writes (a mapping keeps its pages)
-                if old.startswith("repacked-") and old.endswith(".bin") and old != name:
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, old))
-            logger.info("Cached %d repacked weight groups (%.1f GB) in %s", len(entries),
-                        total / 1e9, directory)
+            if fd is None or fd < 0 or any(out is None or entry.get("offset") is None
+                                           for entry, out in self.calls):
+                return  # no memfd, or a repack failed: nothing complete to keep
+            job = {"fd": fd, "directory": self.directory, "build": self.build,
+                   "format": self.FORMAT, "bytes": self.size,
+                   "entries": [entry for entry, _ in self.calls]}
+            writer = subprocess.Popen(
+                [sys.executable, os.path.join(os.path.dirname(__file__), "repack_writer.py")],
+                stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True,
+                stdout=subprocess.DEVNULL, text=True)
+            RepackCache.writers.append(writer)
+            assert writer.stdin is not None
+            writer.stdin.write(json.dumps(job))
+            writer.stdin.close()
+            logger.info("Caching %d repacked weight groups (%.1f GB) in %s (a writer process)",
+                        len(self.calls), self.size / 1e9, self.directory)
         except OSError as e:
-            logger.warning("Could not cache repacked weights in %s: %s", directory, e)
+            logger.warning("Could not cache repacked weights in %s: %s", self.directory, e)
+        finally:
+            if fd is not None and fd >= 0:
+                os.close(fd)  # the mappings keep the memory
+
+    writers: list[Any] = []
+    """Writer processes this process started (`wait` waits for them)."""
+
+    @classmethod
+    def wait(cls) -> None:
+        """Returns once the writer processes this process started have ended."""
+        while cls.writers:
+            cls.writers.pop().wait()
 
 
 def _release_mapped(data: np.ndarray) -> None:
