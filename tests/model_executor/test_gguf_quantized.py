@@ -854,7 +854,8 @@ def test_prompt_rows_take_amx_at_any_count_where_the_cpu_has_it() -> None:
 def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first load of a GGUF file writes its repacked groups to the repack cache
-    (<cache>/gguf/<key>/repacked.json and the file it names); the next load maps them
+    (<cache>/gguf/<key>/repacked.json and the file it names; here through a writer
+    process, then through the load itself); the next load maps them
     read-only instead of repacking (no repack call), with the same bytes and types. A
     changed file gets a new key, an index of another kernel build is ignored and
     rewritten, and PAGELLM_GGUF_CACHE=0 writes nothing."""
@@ -881,7 +882,9 @@ def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
         groups = [g for m in model.modules() for g in getattr(m, "weight_groups", None) or []]
         return groups, counted.repacks
 
+    monkeypatch.setattr(gguf_method.RepackCache, "WRITER_MIN_BYTES", 0)  # a writer process
     first, repacks = load()
+    monkeypatch.setattr(gguf_method.RepackCache, "WRITER_MIN_BYTES", 1 << 40)  # the load itself
     directory = _gguf_cache_dir(path)
     with open(os.path.join(directory, "repacked.json")) as f:
         index = json.load(f)

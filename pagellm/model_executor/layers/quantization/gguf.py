@@ -415,6 +415,10 @@ class RepackCache:
 
     FORMAT = 2
 
+    WRITER_MIN_BYTES = 256 << 20
+    """Repacked bytes from which a writer process writes the cache; below, the load does,
+    in a fraction of a second (the default model's 0.1 GB)."""
+
     def __init__(self, directory: str):
         import json
         import os
@@ -539,7 +543,8 @@ class RepackCache:
         """Where any group of this load was missed, hand every group to a writer process
         (repack_writer.py, `writers`) that copies them to a new cache file and replaces the
         index: the load goes on at once, and the write outlives this process (an 8B file's
-        4.4 GB takes ~12 s here once the kernel's limit of dirty pages is reached)."""
+        4.4 GB takes ~12 s here once the kernel's limit of dirty pages is reached). Under
+        WRITER_MIN_BYTES the load writes them itself."""
         import json
         import os
         import subprocess
@@ -555,6 +560,11 @@ class RepackCache:
             job = {"fd": fd, "directory": self.directory, "build": self.build,
                    "format": self.FORMAT, "bytes": self.size,
                    "entries": [entry for entry, _ in self.calls]}
+            if self.size < self.WRITER_MIN_BYTES:  # the page cache takes it at once
+                from pagellm.model_executor.layers.quantization import repack_writer
+
+                repack_writer.write(job)
+                return
             writer = subprocess.Popen(
                 [sys.executable, os.path.join(os.path.dirname(__file__), "repack_writer.py")],
                 stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True,
