@@ -851,14 +851,16 @@ def test_prompt_rows_take_amx_at_any_count_where_the_cpu_has_it() -> None:
     assert (int8_gemm_rows(8), amx_min_rows(8)) == (False, AMX_MIN_ROWS)  # no step
 
 
+@pytest.mark.parametrize("tied", [False, True])
 def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, tied: bool) -> None:
     """The first load of a GGUF file writes its repacked groups to the repack cache
     (<cache>/gguf/<key>/repacked.json and the file it names; here through a writer
     process, then through the load itself); the next load maps them
     read-only instead of repacking (no repack call), with the same bytes and types. A
     changed file gets a new key, an index of another kernel build is ignored and
-    rewritten, and PAGELLM_GGUF_CACHE=0 writes nothing."""
+    rewritten, and PAGELLM_GGUF_CACHE=0 writes nothing. `tied`: the head's rows are the
+    embedding's, repacked once for both (tie_head) and cached with the rest."""
     import json
 
     from pagellm.model_executor.loader import _gguf_cache_dir
@@ -868,7 +870,7 @@ def test_repacked_groups_are_cached_and_mapped_on_the_next_load(
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PAGELLM_GGUF_ACTIVATIONS", "q8")
     path = str(tmp_path / "tiny-q4_k_m.gguf")
-    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=3)
+    write_llama_gguf(path, dict(SHAPES["tiny"], layers=2), "q4_k_m", seed=3, tied=tied)
     backend = get_attn_backend("torch")
     lib = kernels.load_kernels()
 
