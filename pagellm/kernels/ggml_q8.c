@@ -841,9 +841,9 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
     }
 }
 
-/* Weight rows [n0, n1) (multiples of 16) of a 16-row layout (base: the R16 layouts' file
- * type, 1 for Q4_K_R16, 5 for Q5_K_R16, 6 for Q6_K_R16) against the P quantized rows, R16_ROWS input rows a pass. */
-VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
+/* Weight rows [n0, n1) (multiples of 16) of one of the 16-row layouts (pg_rows16) against
+ * the P quantized rows, R16_ROWS input rows a pass. */
+VNNI512 static void range_tiles(int type, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
                                 int64_t K, const int8_t *QX, const float *DX, const int32_t *SX,
                                 int64_t P, int64_t levels, float *Y, int64_t ldy, const int64_t *yrows) {
     for (int64_t n = n0; n < n1; n += 16) {
@@ -854,13 +854,13 @@ VNNI512 static void range_tiles(int base, const uint8_t *W, int64_t row_bytes, i
             const float *dx = DX + m0 * (K / 32);
             const int32_t *sx = SX + m0 * (K / 16);
             __m512 acc[R16_ROWS];
-#define R16_BASES(r)                                                                \
-    (base == 1 ? k16_rows(w16, K / 256, 0, qx, dx, sx, K, r, acc)                     \
-     : base == 5 ? k16_rows(w16, K / 256, 1, qx, dx, sx, K, r, acc)                   \
-     : base == 6 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                    \
-     : base == 2 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                    \
-     : base == 3 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                    \
-                 : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
+#define R16_BASES(r)                                                                      \
+    (type == PG_Q4_K_R16   ? k16_rows(w16, K / 256, 0, qx, dx, sx, K, r, acc)               \
+     : type == PG_Q5_K_R16 ? k16_rows(w16, K / 256, 1, qx, dx, sx, K, r, acc)               \
+     : type == PG_Q6_K_R16 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                \
+     : type == PG_Q4_0_R16 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                \
+     : type == PG_Q4_1_R16 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                \
+                           : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
             switch (R) { /* each count and type compiled apart: unrolled, no masks */
                 case 1: R16_BASES(1); break;
                 case 2: R16_BASES(2); break;
@@ -913,11 +913,8 @@ VNNI512 static int range512(int type, const uint8_t *W, int64_t row_bytes, int64
                             const int64_t *yrows) {
     switch (type) {
         case PG_Q4_0_R16: case PG_Q4_1_R16: case PG_Q8_0_R16: /* n0, n1: multiples of 16 */
-            range_tiles(pg_r16_base(type), W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
-            return 1;
         case PG_Q4_K_R16: case PG_Q5_K_R16: case PG_Q6_K_R16:
-            range_tiles(type == PG_Q4_K_R16 ? 1 : type == PG_Q5_K_R16 ? 5 : 6, W, row_bytes, n0, n1, K, QX, DX,
-                        SX, P, levels, Y, ldy, yrows);
+            range_tiles(type, W, row_bytes, n0, n1, K, QX, DX, SX, P, levels, Y, ldy, yrows);
             return 1;
         case Q_Q4_K: case Q_Q5_K: {
             const int8_t *px;

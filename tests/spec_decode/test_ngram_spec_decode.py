@@ -91,6 +91,17 @@ def _assert_empty(llm: LLM) -> None:
     assert kv.get_num_free_blocks() == kv.block_pool.num_usable_blocks
 
 
+def _batched_equal(plain: LLM, spec: LLM, prompts: list, path: str) -> list[list[int]]:
+    """Both engines on `path` ("module": the layer-by-layer path, else the C step): the
+    prompts batched give the speculating engine plain decoding's greedy tokens (returned)."""
+    if path == "module":
+        _module_path(plain)
+        _module_path(spec)
+    want = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
+    assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == want
+    return want
+
+
 def _module_path(llm: LLM) -> None:
     """The model's layers one at a time from Python, not the one-region C step."""
     model = _core(llm).model_runner.model.model
@@ -108,11 +119,7 @@ def test_greedy_tokens_identical(activations: str, path: str) -> None:
     """Alone and batched, n > 1, stop strings and max_tokens inside an accepted run."""
     plain, spec = _engine(None, None, gguf_activations=activations), _engine(None, SPEC, gguf_activations=activations)
     try:
-        if path == "module":
-            _module_path(plain)
-            _module_path(spec)
-        want = _ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
-        assert _ids(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+        _batched_equal(plain, spec, PROMPTS, path)
         for prompt in PROMPTS:  # alone: 4 proposals a step, not 3 (the batch's share)
             alone = _ids(plain.generate(prompt, GREEDY, use_tqdm=False))
             assert _ids(spec.generate(prompt, GREEDY, use_tqdm=False)) == alone
@@ -271,11 +278,7 @@ def test_greedy_tokens_identical_on_k_quants(q4_k_m_file: str, path: str) -> Non
     plain = _engine(q4_k_m_file, None, gguf_activations="q8")
     spec = _engine(q4_k_m_file, SPEC, gguf_activations="q8")
     try:
-        if path == "module":
-            _module_path(plain)
-            _module_path(spec)
-        want = _ids(plain.generate(prompts, GREEDY, use_tqdm=False))
-        assert _ids(spec.generate(prompts, GREEDY, use_tqdm=False)) == want
+        want = _batched_equal(plain, spec, prompts, path)
         for prompt, alone in zip(prompts, want):
             assert _ids(spec.generate(prompt, GREEDY, use_tqdm=False)) == [alone]
         totals = _core(spec).scheduler.spec_totals

@@ -20,7 +20,9 @@ a float32 scratch buffer and multiplied by torch's matmul (oneDNN's blocking win
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,23 +461,18 @@ class RepackCache:
             return mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
 
     @classmethod
-    def open(cls, directory: str | None) -> Any:
-        """A context manager that makes the cache in `directory` active for the load in it
-        (None: no cache) and writes what it missed at the end."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def scope() -> Any:
-            cache = cls(directory) if directory is not None else None
-            cls.active = cache
-            try:
-                yield cache
-            finally:
-                cls.active = None
-            if cache is not None:
-                cache.commit()
-
-        return scope()
+    @contextlib.contextmanager
+    def open(cls, directory: str | None) -> Iterator[RepackCache | None]:
+        """Makes the cache in `directory` active for the load in the block (None: no
+        cache) and writes what it missed at the end."""
+        cache = cls(directory) if directory is not None else None
+        cls.active = cache
+        try:
+            yield cache
+        finally:
+            cls.active = None
+        if cache is not None:
+            cache.commit()
 
     def take(self, group: WeightGroup, k: int, qtype: int, shape: tuple[int, ...]) -> np.ndarray | None:
         """The cached layout of the load's next repacked group, or None (a miss)."""
@@ -612,9 +609,8 @@ def _release_mapped(data: np.ndarray) -> None:
 def int8_rows(m: int) -> slice | torch.Tensor | None:
     """The rows of an m-row product that multiply int8 activations in the decode kernels
     (pg_gemm_q8) on the q8 path. In a model step: the step's decodes (one new token of a
-    running request); prompt chunks stay float32 (long ones take the int8 GEMM:
-    `int8_gemm_rows`), so that neither kind of row's numbers depend on what else the step
-    holds. Outside a step (the logits head, direct calls): every row. None where there are
+    running request); prompt rows take float32, the int8 GEMM or AMX (`int8_gemm_rows`),
+    so that neither kind of row's numbers depend on what else the step holds. Outside a step (the logits head, direct calls): every row. None where there are
     none or more than Q8_MAX_ROWS (then the int8 GEMM or float32, `int8_gemm_rows`)."""
     from pagellm.attention.backend import current_forward_context
 
@@ -622,8 +618,7 @@ def int8_rows(m: int) -> slice | torch.Tensor | None:
     rows = slice(0, m) if ctx is None else ctx.decode_rows
     if rows is None:
         return None
-    n = rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
-    return rows if 0 < n <= Q8_MAX_ROWS else None
+    return rows if 0 < _count(rows) <= Q8_MAX_ROWS else None
 
 
 def int8_gemm_rows(m: int) -> bool:
@@ -668,9 +663,12 @@ def _holds_prompt_rows(m: int) -> bool | None:
     if ctx is None:
         return None
     rows = ctx.decode_rows
-    if rows is None:
-        return True
-    return (rows.stop - rows.start if isinstance(rows, slice) else rows.numel()) < m
+    return rows is None or _count(rows) < m
+
+
+def _count(rows: slice | torch.Tensor) -> int:
+    """How many rows a step's row selection (a slice or an index tensor) holds."""
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 def _rows_view(groups: list[WeightGroup], start: int, rows: int) -> tuple[int, int, int] | None:
