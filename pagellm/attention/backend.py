@@ -47,6 +47,18 @@ class CommonAttentionMetadata:
     gives the numbers it would give decoded alone."""
 
 
+Q8_KV_DTYPE = torch.int8
+"""The storage dtype of a q8_0 cache (--kv-cache-dtype q8_0, `cache_torch_dtype`): bytes
+holding llama.cpp's q8_0 blocks, every 32 dims of a slot's key or value as 32 int8 values
+and a float16 scale, the scales in the same rows after the values (paged_attention.c's
+header): a head's row is D + D / 16 bytes wide. Only the C kernels read and write it."""
+
+
+def cache_torch_dtype(cache_dtype: str) -> torch.dtype:
+    """The storage dtype of CacheConfig.cache_dtype (a torch dtype name, or q8_0)."""
+    return Q8_KV_DTYPE if cache_dtype == "q8_0" else getattr(torch, cache_dtype)
+
+
 class AttentionBackend(ABC):
     """A backend is a class, never instantiated: selected once by name
     (`pagellm.attention.get_attn_backend`) and handed to both the model, whose attention

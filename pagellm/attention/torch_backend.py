@@ -10,7 +10,8 @@ requests.
 
 Cache storage (`allocate_kv_cache`) in the cache dtype (float32, or float16 / bfloat16
 with --kv-cache-dtype: values are rounded as they are written and widened as they are
-read), both exposed as logical [num_blocks, block_size, KVH, D] views:
+read; or q8_0, int8 rows with their scales that only the C kernels touch, `Q8_KV_DTYPE`),
+both exposed as logical [num_blocks, block_size, KVH, D] views:
 
     K  [KVH, num_blocks, D, block_size]   a block's keys transposed: one row per (head,
                                           block, dim), block_size wide
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.backend import (
+    Q8_KV_DTYPE,
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
@@ -335,12 +337,19 @@ class TorchAttentionImpl(AttentionImpl):
         n = metadata.num_actual_tokens
         lib = self.kernels if _c_ready(k_store, key, value, metadata.slot_mapping) else None
         if lib is not None:
-            kvh, nb, d, bs = k_store.shape
+            kvh, nb, _, bs = k_store.shape
             lib.pg_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), n,
-                            kvh, d, KV_TYPE_CODES[k_store.dtype], k_store.data_ptr(),
+                            kvh, self.head_dim, KV_TYPE_CODES[k_store.dtype], k_store.data_ptr(),
                             v_store.data_ptr(), nb, bs, metadata.slot_mapping.data_ptr())
+        elif k_store.dtype == Q8_KV_DTYPE:
+            raise RuntimeError(
+                "a q8_0 KV cache is read and written by pagellm's C kernels only: they need float32 "
+                f"K/V rows on the CPU (got {key.dtype} on {key.device})"
+            )
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
+        if k_store.dtype == Q8_KV_DTYPE and not (query.stride(2) == 1 and query.stride(1) == self.head_dim):
+            query = query.contiguous()  # only the C attention reads this cache
         c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
         dec = metadata.decode
         torch_decode = self._decode if k_store.dtype == query.dtype else self._decode_widened
@@ -378,10 +387,10 @@ class TorchAttentionImpl(AttentionImpl):
         the chunks' K/V were just written to: several rows of a chunk share each K and V
         load, and each row gets the numbers the decode kernel would give it alone (the
         same chains of operations), where SDPA sums in another order."""
-        kvh, nb, d, _ = k_store.shape
+        kvh, nb, _, _ = k_store.shape
         rc = lib.pg_paged_prefill(
             query.data_ptr(), query.stride(0), prompt.row0.shape[0], prompt.row0.data_ptr(),
-            prompt.row1.data_ptr(), prompt.first_hi.data_ptr(), self.num_heads, kvh, d,
+            prompt.row1.data_ptr(), prompt.first_hi.data_ptr(), self.num_heads, kvh, self.head_dim,
             KV_TYPE_CODES[k_store.dtype], k_store.data_ptr(), v_store.data_ptr(), nb,
             prompt.table.data_ptr(), prompt.table.stride(0), prompt.window, self.scale,
             self.logits_soft_cap or 0.0, out.data_ptr(),
@@ -575,9 +584,13 @@ _SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 """scaled_dot_product_attention takes `enable_gqa` (torch 2.5+)."""
 
 
-KV_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 """Cache dtypes the C kernels read and write, as their `kv_type` (paged_attention.c's
-PG_KV_*)."""
+PG_KV_*). int8 storage is a q8_0 cache (`Q8_KV_DTYPE`)."""
+
+def q8_row_width(head_dim: int) -> int:
+    """Bytes of one head's row in a q8_0 cache: the int8 values and their float16 scales."""
+    return head_dim + head_dim // 16
 
 
 def _c_ready(k_store: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -645,7 +658,15 @@ class TorchAttentionBackend(AttentionBackend):
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's (K, V) cache, uninitialised, as logical [num_blocks, block_size,
-        KVH, D] views over the storage described in the module docstring."""
-        k = torch.empty((num_kv_heads, num_blocks, head_dim, block_size), dtype=dtype, device=device)
-        v = torch.empty((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        KVH, D] views over the storage described in the module docstring (a q8_0 cache's
+        rows are `q8_row_width(D)` bytes wide)."""
+        width = q8_row_width(head_dim) if dtype == Q8_KV_DTYPE else head_dim
+        k = torch.empty((num_kv_heads, num_blocks, width, block_size), dtype=dtype, device=device)
+        v = torch.empty((num_kv_heads, num_blocks, block_size, width), dtype=dtype, device=device)
         return k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)
+
+    @staticmethod
+    def kv_cache_block_bytes(block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+        width = q8_row_width(head_dim) if dtype == Q8_KV_DTYPE else head_dim
+        return 2 * block_size * num_kv_heads * width * dtype.itemsize

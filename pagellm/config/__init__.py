@@ -152,7 +152,8 @@ class CacheConfig:
     """Tokens per KV block."""
     cache_dtype: str = "float32"
     """The KV cache's storage dtype, resolved from EngineArgs.kv_cache_dtype (a torch dtype
-    name: float32, float16 or bfloat16)."""
+    name: float32, float16 or bfloat16; or q8_0, llama.cpp's blocks of int8 values and
+    float16 scales: `attention.backend.cache_torch_dtype`)."""
     kv_cache_memory_bytes: int | None = None
     """Explicit KV cache budget in bytes; overrides the memory fraction."""
     gpu_memory_utilization: float = 0.9

@@ -6,6 +6,18 @@
  * Cache storage (as attention/torch_backend.py allocates it):
  *   K [KVH, NB, D, bs]   a block's keys transposed: key dim d of slot s at [d * bs + s]
  *   V [KVH, NB, bs, D]   one row of D values per slot
+ * A q8_0 cache (PG_KV_Q8, D a multiple of 32) holds llama.cpp's q8_0 blocks: every 32
+ * dims of one slot's key or value as 32 int8 values and a float16 scale (the largest
+ * magnitude / 127), the scales kept in the same rows after the values, so a cache block
+ * is still one contiguous piece (bytes):
+ *   K [KVH, NB, D + D/16, bs]  rows 0 .. D-1: int8 key dim d of slot s at [d * bs + s];
+ *                              then the scales, float16 of block d / 32 of slot s at
+ *                              byte [D * bs + (d / 32) * 2 * bs + 2 * s]
+ *   V [KVH, NB, bs, D + D/16]  a slot's D int8 values, then its D / 32 float16 scales
+ * A q8_0 score sums each 32 dims' int8 keys times the query, then adds that sum times
+ * the slot's scale; an output weighs a slot's int8 values by its probability times the
+ * row's scale. Every kernel takes these same steps, so a row's numbers stay the same
+ * whichever kernel reads it (decode, prompt rows, AVX2 or AVX-512).
  *
  * Request b reads the slots [lo[b], hi[b]) of its padded row, slot i living in block
  * table[b * table_stride + i / bs] at offset i % bs. Query head h reads KV head
@@ -30,13 +42,27 @@
 #include "ggml_common.h"
 #include "team.h"
 
-enum { PG_KV_F32 = 0, PG_KV_F16 = 1, PG_KV_BF16 = 2 }; /* the cache's element type */
+enum { PG_KV_F32 = 0, PG_KV_F16 = 1, PG_KV_BF16 = 2, PG_KV_Q8 = 3 }; /* the cache's element type */
 
 /* Query vectors one several-row task holds at most (its score accumulators): the rows of
  * a prompt chunk or a verify run, times their heads of one KV head. */
 enum { PREFILL_VECTORS = 12 };
 
-static inline int64_t kv_elem_bytes(int kt) { return kt == PG_KV_F32 ? 4 : 2; }
+/* Bytes of one value of a float cache; 1 for q8_0's int8 values (its scales aside). */
+static inline int64_t kv_elem_bytes(int kt) { return kt == PG_KV_F32 ? 4 : kt == PG_KV_Q8 ? 1 : 2; }
+
+/* Bytes of one slot's V row (D values, and a q8_0 row's scales); a block of bs slots
+ * takes bs of them in K as in V. */
+static inline int64_t kv_row_bytes(int kt, int64_t D) {
+    return kt == PG_KV_Q8 ? D + D / 16 : D * kv_elem_bytes(kt);
+}
+
+/* The scale of dims [d, d + 32) (d a multiple of 32) of V row vrow: a q8_0 row's, 1 for
+ * a float cache. A slot's probability times it weighs the row's raw values. */
+static inline float v_scale(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
+    if (kt != PG_KV_Q8) return 1.0f;
+    return pg_f16((const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D) + D + d / 32 * 2);
+}
 
 /* Element i of a cache of type kt as a float. */
 static inline float kv_get(const void *base, int64_t i, const int kt) {
@@ -172,6 +198,28 @@ static inline __m256 kv_load8(const void *base, int64_t i, const int kt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* K of slots [s0, s0 + 8) at dim d of cache block kblk (numbered kvh * NB + block; bs 16)
+ * as floats: a float cache's values, a q8_0 cache's int8 values (times k_scale8's). */
+static inline __m256 k_load8(const void *k, int64_t kblk, int64_t D, int64_t d, int s0, const int kt) {
+    if (kt != PG_KV_Q8) return kv_load8(k, (kblk * D + d) * 16 + s0, kt);
+    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + d * 16 + s0))));
+}
+
+/* The q8_0 scales of slots [s0, s0 + 8) for dims [32 c, 32 c + 32) of block kblk. */
+static inline __m256 k_scale8(const void *k, int64_t kblk, int64_t D, int64_t c, int s0) {
+    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * D + c * 32 + 2 * s0)));
+}
+
+/* Dims [d, d + 8) of V row vrow ((kvh * NB + block) * 16 + slot) as floats (a q8_0
+ * cache's int8 values: times v_scale). */
+static inline __m256 v_load8(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
+    if (kt != PG_KV_Q8) return kv_load8(v, vrow * D + d, kt);
+    const uint8_t *r = (const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + d))));
+}
+
 /* The softmax of slots [off, off + n) of each of G score rows (`stride` floats apart), in
  * place (cap > 0: the scores capped first). */
 static inline __attribute__((always_inline)) void softmax_rows(const int G, float *sc, int64_t stride,
@@ -253,6 +301,17 @@ static inline __attribute__((always_inline)) void prefetch_next_line(const char 
     }
 }
 
+/* A q8_0 K block's sums over its 32 dims (blk, per query vector, slots 0-7 and 8-15)
+ * times the slots' scales, added to the scores a; blk starts again from zero. */
+static inline __attribute__((always_inline)) void q8_fold8(const int n, __m256 (*a)[2], __m256 (*blk)[2],
+                                                           __m256 s0, __m256 s1) {
+    for (int g = 0; g < n; g++) {
+        a[g][0] = _mm256_fmadd_ps(blk[g][0], s0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(blk[g][1], s1, a[g][1]);
+        blk[g][0] = blk[g][1] = _mm256_setzero_ps();
+    }
+}
+
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
  * sc: G rows of `stride` floats, slot i of the padded row at [i - 16 * (lo / 16)].
  * cap > 0: scores are capped (soft_cap8) before the softmax. */
@@ -262,30 +321,34 @@ static inline __attribute__((always_inline)) void decode_heads(
     int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
     int64_t H, const next_task *nx) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
-    const int64_t es = kv_elem_bytes(kt);
+    const int64_t es = kv_elem_bytes(kt), rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
     float qs[4][256];
     for (int g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
     /* scores: every slot of blocks j0 .. j1-1, K loaded once for the G heads */
     for (int64_t j = j0; j < j1; j++) {
-        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
-        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
-        __m256 a[4][2];
-        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+        const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
+        const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
+        __m256 a[4][2], blk[4][2]; /* blk: a q8_0 block's sums over its 32 dims */
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = blk[g][0] = blk[g][1] = _mm256_setzero_ps();
         int64_t offs[8];
-        next_lines walk = {offs, next_blocks(nx, j - j0, 1, j1 - j0, NB, D * 16 * es, offs), 0,
-                           D * 16 * es / 64, 0};
+        next_lines walk = {offs, next_blocks(nx, j - j0, 1, j1 - j0, NB, kbytes, offs), 0,
+                           kbytes / 64, 0};
         const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
-            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
+            if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
+            __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int g = 0; g < G; g++) {
                 __m256 qd = _mm256_set1_ps(qs[g][d]);
-                a[g][0] = _mm256_fmadd_ps(qd, k0, a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(qd, k1, a[g][1]);
+                acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
             }
+            if (kt == PG_KV_Q8 && d % 32 == 31) /* the block's sums times its slots' scales */
+                q8_fold8(G, a, blk, k_scale8(k_store, kb, D, d / 32, 0), k_scale8(k_store, kb, D, d / 32, 8));
         }
         for (int g = 0; g < G; g++) {
             _mm256_storeu_ps(sc + g * stride + (j - j0) * 16, a[g][0]);
@@ -299,15 +362,16 @@ static inline __attribute__((always_inline)) void decode_heads(
         __m256 a[4][4];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = a[g][2] = a[g][3] = _mm256_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
-            const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
             if (d0 == 0 && i / 16 + 1 < j1) { /* the next block's row, while this one computes */
-                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
-                for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * rb;
+                for (int64_t c = 0; c < rb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
             }
-            __m256 v0 = kv_load8(v_store, vr, kt), v1 = kv_load8(v_store, vr + 8, kt);
-            __m256 v2 = kv_load8(v_store, vr + 16, kt), v3 = kv_load8(v_store, vr + 24, kt);
+            __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
+            __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
+            const float vs = v_scale(v_store, vr, D, d0, kt);
             for (int g = 0; g < G; g++) {
-                __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)]);
+                __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)] * vs);
                 a[g][0] = _mm256_fmadd_ps(pi, v0, a[g][0]);
                 a[g][1] = _mm256_fmadd_ps(pi, v1, a[g][1]);
                 a[g][2] = _mm256_fmadd_ps(pi, v2, a[g][2]);
@@ -358,24 +422,28 @@ static inline __attribute__((always_inline)) void rows_heads(
     const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
     int64_t stride, float *out, int64_t H) {
     const char *kc = (const char *)k_store;
-    const int64_t es = kv_elem_bytes(kt);
+    const int64_t es = kv_elem_bytes(kt), rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     int64_t first, last;
     float qs[6][256];
     rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
     const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
-        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
-        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
-        __m256 a[6][2];
-        for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
+        const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
+        __m256 a[6][2], blk[6][2];
+        for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = blk[i][0] = blk[i][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            if (es == 4 || (d & 1) == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            const __m256 k0 = kv_load8(k_store, kb + d * 16, kt), k1 = kv_load8(k_store, kb + d * 16 + 8, kt);
+            if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            const __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
+            __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int i = 0; i < NQ; i++) {
                 const __m256 qd = _mm256_set1_ps(qs[i][d]);
-                a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
+                acc[i][0] = _mm256_fmadd_ps(qd, k0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(qd, k1, acc[i][1]);
             }
+            if (kt == PG_KV_Q8 && d % 32 == 31)
+                q8_fold8(NQ, a, blk, k_scale8(k_store, kb, D, d / 32, 0), k_scale8(k_store, kb, D, d / 32, 8));
         }
         for (int i = 0; i < NQ; i++) {
             _mm256_storeu_ps(sc + i * stride + (j - j0) * 16, a[i][0]);
@@ -395,11 +463,12 @@ static inline __attribute__((always_inline)) void rows_heads(
             __m256 acc[3][4];
             for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
             for (int64_t i = first; i < last; i++) {
-                const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
-                const __m256 v0 = kv_load8(v_store, vr, kt), v1 = kv_load8(v_store, vr + 8, kt);
-                const __m256 v2 = kv_load8(v_store, vr + 16, kt), v3 = kv_load8(v_store, vr + 24, kt);
+                const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
+                const __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
+                const __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
+                const float vs = v_scale(v_store, vr, D, d0, kt);
                 for (int c = 0; c < nc; c++) {
-                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)] * vs);
                     acc[c][0] = _mm256_fmadd_ps(pi, v0, acc[c][0]);
                     acc[c][1] = _mm256_fmadd_ps(pi, v1, acc[c][1]);
                     acc[c][2] = _mm256_fmadd_ps(pi, v2, acc[c][2]);
@@ -435,6 +504,7 @@ static inline __attribute__((always_inline)) void rows_heads(
         case PG_KV_F32: switch (nq) { counts(fn, PG_KV_F32) } break;                           \
         case PG_KV_F16: switch (nq) { counts(fn, PG_KV_F16) } break;                           \
         case PG_KV_BF16: switch (nq) { counts(fn, PG_KV_BF16) } break;                         \
+        case PG_KV_Q8: switch (nq) { counts(fn, PG_KV_Q8) } break;                             \
     }
 
 /* One several-row task on AVX2: nq = rows x nh query vectors, up to 6 (rows_heads). */
@@ -481,6 +551,7 @@ static void rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, i
             DECODE_KV_TYPE(heads_fn, PG_KV_F32)                                                \
             DECODE_KV_TYPE(heads_fn, PG_KV_F16)                                                \
             DECODE_KV_TYPE(heads_fn, PG_KV_BF16)                                               \
+            DECODE_KV_TYPE(heads_fn, PG_KV_Q8)                                                 \
         }                                                                                      \
     }
 
@@ -544,6 +615,37 @@ ATTN512 static inline __attribute__((always_inline)) __m512 kv_load16(const void
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* k_load8 sixteen slots wide: a whole block's slots at dim d. */
+ATTN512 static inline __attribute__((always_inline)) __m512 k_load16(const void *k, int64_t kblk, int64_t D,
+                                                                     int64_t d, const int kt) {
+    if (kt != PG_KV_Q8) return kv_load16(k, (kblk * D + d) * 16, kt);
+    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + d * 16))));
+}
+
+/* k_scale8 for all 16 slots. */
+ATTN512 static inline __attribute__((always_inline)) __m512 k_scale16(const void *k, int64_t kblk, int64_t D,
+                                                                      int64_t c) {
+    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 16 * D + c * 32)));
+}
+
+/* v_load8 sixteen dims wide. */
+ATTN512 static inline __attribute__((always_inline)) __m512 v_load16(const void *v, int64_t vrow, int64_t D,
+                                                                     int64_t d, const int kt) {
+    if (kt != PG_KV_Q8) return kv_load16(v, vrow * D + d, kt);
+    const uint8_t *r = (const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d))));
+}
+
+/* q8_fold8 sixteen slots at a time: the same operations lane by lane. */
+ATTN512 static inline __attribute__((always_inline)) void q8_fold16(const int n, __m512 *a, __m512 *blk, __m512 s) {
+    for (int g = 0; g < n; g++) {
+        a[g] = _mm512_fmadd_ps(blk[g], s, a[g]);
+        blk[g] = _mm512_setzero_ps();
+    }
+}
+
 /* decode_heads on AVX-512 (chosen at run time, pg_isa_level): a K block's 16 slots in one
  * vector, 32 dims of a V row in two. Each score is the same chain of fused multiply-adds
  * over d, each output the same chain over slots, and the softmax the same code, so the
@@ -554,7 +656,7 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
     int64_t lo, int64_t hi, float scale, float cap, float *sc, int64_t stride, float *out,
     int64_t H, const next_task *nx) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
-    const int64_t es = kv_elem_bytes(kt);
+    const int64_t es = kv_elem_bytes(kt), rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     const int64_t j0 = lo / 16, j1 = (hi + 15) / 16;
     float qs[4][256];
     for (int g = 0; g < G; g++)
@@ -565,16 +667,16 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
     const int64_t line = 64 / es; /* elements per cache line */
     for (int64_t j = j0; j < j1; j += 2) {
         const int two = j + 1 < j1;
-        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
-        const int64_t kb1 = two ? ((kvh * NB + row[j + 1]) * D) * 16 : kb;
+        const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
+        const int64_t kb1 = two ? kvh * NB + row[j + 1] : kb;
         const int64_t jn = j + 2 < j1 ? j + 2 : j, jn1 = j + 3 < j1 ? j + 3 : jn;
-        const char *kn = kc + ((kvh * NB + row[jn]) * D) * 16 * es;
-        const char *kn1 = kc + ((kvh * NB + row[jn1]) * D) * 16 * es;
-        __m512 a[4], c[4];
-        for (int g = 0; g < G; g++) a[g] = c[g] = _mm512_setzero_ps();
+        const char *kn = kc + (kvh * NB + row[jn]) * kbytes;
+        const char *kn1 = kc + (kvh * NB + row[jn1]) * kbytes;
+        __m512 a[4], c[4], ab[4], cb[4]; /* ab, cb: a q8_0 block's sums over its 32 dims */
+        for (int g = 0; g < G; g++) a[g] = c[g] = ab[g] = cb[g] = _mm512_setzero_ps();
         int64_t offs[8];
-        next_lines walk = {offs, next_blocks(nx, j - j0, 2, j1 - j0, NB, D * 16 * es, offs), 0,
-                           D * 16 * es / 64, 0};
+        next_lines walk = {offs, next_blocks(nx, j - j0, 2, j1 - j0, NB, kbytes, offs), 0,
+                           kbytes / 64, 0};
         const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
@@ -582,12 +684,17 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
                 (void)(kn + d * 16 * es);
                 (void)(kn1 + d * 16 * es);
             }
-            const __m512 k = kv_load16(k_store, kb + d * 16, kt);
-            const __m512 k1 = kv_load16(k_store, kb1 + d * 16, kt);
+            const __m512 k = k_load16(k_store, kb, D, d, kt);
+            const __m512 k1 = k_load16(k_store, kb1, D, d, kt);
+            __m512 *acc = kt == PG_KV_Q8 ? ab : a, *acc1 = kt == PG_KV_Q8 ? cb : c;
             for (int g = 0; g < G; g++) {
                 const __m512 qd = _mm512_set1_ps(qs[g][d]);
-                a[g] = _mm512_fmadd_ps(qd, k, a[g]);
-                c[g] = _mm512_fmadd_ps(qd, k1, c[g]);
+                acc[g] = _mm512_fmadd_ps(qd, k, acc[g]);
+                acc1[g] = _mm512_fmadd_ps(qd, k1, acc1[g]);
+            }
+            if (kt == PG_KV_Q8 && d % 32 == 31) { /* q8_fold8's order, sixteen slots wide */
+                q8_fold16(G, a, ab, k_scale16(k_store, kb, D, d / 32));
+                q8_fold16(G, c, cb, k_scale16(k_store, kb1, D, d / 32));
             }
         }
         for (int g = 0; g < G; g++) {
@@ -601,14 +708,15 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
         __m512 a[4][2];
         for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm512_setzero_ps();
         for (int64_t i = lo; i < hi; i++) {
-            const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+            const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
             if (d0 == 0 && i / 16 + 1 < j1) {
-                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
-                for (int64_t c = 0; c < D * es; c += 64) (void)vn;
+                const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * rb;
+                for (int64_t c = 0; c < rb; c += 64) (void)vn;
             }
-            const __m512 v0 = kv_load16(v_store, vr, kt), v1 = kv_load16(v_store, vr + 16, kt);
+            const __m512 v0 = v_load16(v_store, vr, D, d0, kt), v1 = v_load16(v_store, vr, D, d0 + 16, kt);
+            const float vs = v_scale(v_store, vr, D, d0, kt);
             for (int g = 0; g < G; g++) {
-                const __m512 pi = _mm512_set1_ps(sc[g * stride + off + (i - lo)]);
+                const __m512 pi = _mm512_set1_ps(sc[g * stride + off + (i - lo)] * vs);
                 a[g][0] = _mm512_fmadd_ps(pi, v0, a[g][0]);
                 a[g][1] = _mm512_fmadd_ps(pi, v1, a[g][1]);
             }
@@ -644,20 +752,23 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
     int64_t stride, float *out, int64_t H) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
-    const int64_t es = kv_elem_bytes(kt), line = 64 / es;
+    const int64_t es = kv_elem_bytes(kt), line = 64 / es, rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     int64_t first, last;
     float qs[12][256];
     rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
     const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
-        const int64_t kb = ((kvh * NB + row[j]) * D) * 16;
-        const char *kn = kc + ((kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * D) * 16 * es;
-        __m512 a[12];
-        for (int i = 0; i < NQ; i++) a[i] = _mm512_setzero_ps();
+        const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
+        const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
+        __m512 a[12], blk[12];
+        for (int i = 0; i < NQ; i++) a[i] = blk[i] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
             if ((d * 16) % line == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            const __m512 k = kv_load16(k_store, kb + d * 16, kt);
-            for (int i = 0; i < NQ; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, a[i]);
+            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            const __m512 k = k_load16(k_store, kb, D, d, kt);
+            __m512 *acc = kt == PG_KV_Q8 ? blk : a;
+            for (int i = 0; i < NQ; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, acc[i]);
+            if (kt == PG_KV_Q8 && d % 32 == 31) q8_fold16(NQ, a, blk, k_scale16(k_store, kb, D, d / 32));
         }
         for (int i = 0; i < NQ; i++) _mm512_storeu_ps(sc + i * stride + (j - j0) * 16, a[i]);
     }
@@ -674,14 +785,15 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
             __m512 acc[8][2];
             for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
             for (int64_t i = first; i < last; i++) {
-                const int64_t vr = ((kvh * NB + row[i / 16]) * 16 + i % 16) * D + d0;
+                const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
                 if (d0 == 0 && c0 == 0 && i / 16 + 1 < j1) {
-                    const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * D * es;
-                    for (int64_t c = 0; c < D * es; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+                    const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * rb;
+                    for (int64_t c = 0; c < rb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
                 }
-                const __m512 v0 = kv_load16(v_store, vr, kt), v1 = kv_load16(v_store, vr + 16, kt);
+                const __m512 v0 = v_load16(v_store, vr, D, d0, kt), v1 = v_load16(v_store, vr, D, d0 + 16, kt);
+                const float vs = v_scale(v_store, vr, D, d0, kt);
                 for (int c = 0; c < nc; c++) {
-                    const __m512 pi = _mm512_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+                    const __m512 pi = _mm512_set1_ps(sc[(c0 + c) * stride + base + (i - first)] * vs);
                     acc[c][0] = _mm512_fmadd_ps(pi, v0, acc[c][0]);
                     acc[c][1] = _mm512_fmadd_ps(pi, v1, acc[c][1]);
                 }
@@ -954,13 +1066,70 @@ static inline __attribute__((always_inline)) void write_kv_rows(
     }
 }
 
+/* The float16 scale of 32 values x, and x / scale rounded to int8 in q (llama.cpp's q8_0,
+ * as its AVX2 quantizer does it: scale = max |x| / 127, x times 1 / scale rounded to
+ * nearest even; a block of zeros has scale 0). The AVX2 and plain loops give the same
+ * bytes. */
+static inline uint16_t q8_block(const float *x, int8_t *q) {
+#ifdef PG_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m256i n[4];
+    for (int i = 0; i < 4; i++)
+        n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    /* the packs interleave 128-bit lanes; the permute puts the 32 bytes back in order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(x[i] * id);
+#endif
+    return f32_to_f16(d);
+}
+
+/* write_kv_rows for a q8_0 cache (the layout in the header). */
+static void write_kv_rows_q8(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                             int64_t t0, int64_t t1, int64_t KVH, int64_t D, void *k_store,
+                             void *v_store, int64_t NB, int64_t bs, const int64_t *slots) {
+    const int64_t rb = kv_row_bytes(PG_KV_Q8, D);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t blk = slots[t] / bs, off = slots[t] % bs;
+        for (int64_t h = 0; h < KVH; h++) {
+            const float *kr = key + t * ldk + h * D, *vr = value + t * ldv + h * D;
+            uint8_t *kb = (uint8_t *)k_store + (h * NB + blk) * bs * rb;
+            uint8_t *vrow = (uint8_t *)v_store + ((h * NB + blk) * bs + off) * rb;
+            for (int64_t c = 0; c < D / 32; c++) {
+                int8_t q[32];
+                const uint16_t ks = q8_block(kr + 32 * c, q);
+                for (int i = 0; i < 32; i++) kb[(32 * c + i) * bs + off] = (uint8_t)q[i];
+                memcpy(kb + D * bs + c * 2 * bs + 2 * off, &ks, 2);
+                const uint16_t vs = q8_block(vr + 32 * c, (int8_t *)vrow + 32 * c);
+                memcpy(vrow + D + 2 * c, &vs, 2);
+            }
+        }
+    }
+}
+
 void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t ldv,
                       int64_t T, int64_t KVH, int64_t D, int kv_type, void *k_store,
                       void *v_store, int64_t NB, int64_t bs, const int64_t *slots,
                       const pg_team *team) {
     int64_t t0, t1;
     pg_share_if(T * KVH * D >= 65536, T, team, &t0, &t1);
-    if (kv_type == PG_KV_F16)
+    if (kv_type == PG_KV_Q8)
+        write_kv_rows_q8(key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);
+    else if (kv_type == PG_KV_F16)
         write_kv_rows(PG_KV_F16, key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);
     else if (kv_type == PG_KV_BF16)
         write_kv_rows(PG_KV_BF16, key, ldk, value, ldv, t0, t1, KVH, D, k_store, v_store, NB, bs, slots);

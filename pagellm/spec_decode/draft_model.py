@@ -27,6 +27,7 @@ from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import (
     AttentionGroups,
     CommonAttentionMetadata,
+    cache_torch_dtype,
     model_layer_windows,
     set_forward_context,
 )
@@ -77,7 +78,7 @@ class DraftModelProposer:
         assert spec is not None and spec.draft_model_config is not None
         self.model_config: ModelConfig = spec.draft_model_config
         self.device = torch.device(config.device_config.device)
-        self.kv_dtype: torch.dtype = getattr(torch, config.cache_config.cache_dtype)
+        self.kv_dtype: torch.dtype = cache_torch_dtype(config.cache_config.cache_dtype)
         self.block_size = config.cache_config.block_size
         self.attn_backend = get_attn_backend(config.attention_config.backend)
         self.max_chunk = config.scheduler_config.max_num_batched_tokens

@@ -20,6 +20,7 @@ from pagellm.attention.backend import (
     AttentionGroups,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
+    cache_torch_dtype,
     model_layer_windows,
     set_forward_context,
 )
@@ -65,7 +66,7 @@ class ModelRunner:
         self.device = torch.device(config.device_config.device)
         self.platform = platform_of(self.device)
         self.dtype = self.model_config.torch_dtype
-        self.kv_dtype: torch.dtype = getattr(torch, self.cache_config.cache_dtype)
+        self.kv_dtype: torch.dtype = cache_torch_dtype(self.cache_config.cache_dtype)
         self.block_size = self.cache_config.block_size
         self.attn_backend: type[AttentionBackend] = get_attn_backend(config.attention_config.backend)
         """The attention backend: the model's layers make its impl, this runner its KV cache."""

@@ -4,10 +4,11 @@ sliding windows, K/V rows that are strided views (as the model hands them over).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from pagellm.attention.backend import CommonAttentionMetadata
+from pagellm.attention.backend import Q8_KV_DTYPE, CommonAttentionMetadata
 from pagellm.attention.torch_backend import (
     KV_TYPE_CODES,
     TorchAttentionBackend,
@@ -22,11 +23,12 @@ BS, H, KVH, D = 4, 6, 2, 8
 def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0,
                  geometry: tuple[int, int, int, int] = (BS, H, KVH, D),
                  kv_dtype: torch.dtype = torch.float32, lib: object = None,
-                 soft_cap: float | None = None) -> tuple[torch.Tensor, ...]:
+                 soft_cap: float | None = None, q8_values: bool = False) -> tuple[torch.Tensor, ...]:
     """Fill a cache with random K/V for every request's context through prefill-sized
     writes, then run one decode step; returns (output, K cache, V cache). geometry:
     (block size, query heads, KV heads, head dim); kv_dtype: the cache's storage; lib:
-    the kernel library to use (default: the SIMD build)."""
+    the kernel library to use (default: the SIMD build); q8_values: K/V rounded to q8_0
+    first (`_q8_0_round`), so that a q8_0 cache holds them exactly."""
     BS, H, KVH, D = geometry  # noqa: N806
     gen = torch.Generator().manual_seed(seed)
     nb = 64
@@ -50,6 +52,8 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
             slots.append(int(tables[b, p // BS]) * BS + p % BS)
     # strided K/V views, as split out of a fused qkv projection
     fused = torch.randn(len(slots), (H + 2 * KVH) * D, generator=gen)
+    if q8_values:
+        fused[:, H * D :] = _q8_0_round(fused[:, H * D :])
     key = fused[:, H * D : (H + KVH) * D].view(-1, KVH, D)
     value = fused[:, (H + KVH) * D :].view(-1, KVH, D)
     ctx_slots = list(slots)
@@ -77,6 +81,37 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     dec_meta = builder.build(dec_common)
     out = impl.forward(query, key[last], value[last], (k_cache, v_cache), dec_meta)
     return out, k_cache, v_cache
+
+
+def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q8_0 of x's last axis (a model for the C write, as its AVX2 quantizer
+    rounds): per 32 values the scale max |x| / 127 as float16, and the values times 1 /
+    scale rounded to nearest even as int8; scale 0 for a block of zeros."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv).astype(np.int8).reshape(x.shape)
+    return q, d[..., 0].astype(np.float16)
+
+
+def _q8_0_round(x: torch.Tensor) -> torch.Tensor:
+    """x through q8_0 and back: int8 values times their float16 scales (float32 holds them
+    exactly; writing them to a q8_0 cache again gives the same blocks)."""
+    q, d = _q8_0(x.numpy())
+    return torch.from_numpy(q.astype(np.float32).reshape(*q.shape[:-1], -1, 32)
+                            * d.astype(np.float32)[..., None]).reshape(x.shape)
+
+
+def _q8_0_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> tuple[np.ndarray, ...]:
+    """A q8_0 cache's blocks read back: K values [KVH, nb, D, bs], K scales [KVH, nb, D/32,
+    bs], V values [KVH, nb, bs, D], V scales [KVH, nb, bs, D/32] (paged_attention.c's
+    layout)."""
+    k_store, v_store = (t.contiguous().numpy() for t in (k_cache.permute(2, 0, 3, 1), v_cache.permute(2, 0, 1, 3)))
+    kvh, nb, _, bs = k_store.shape
+    k_scales = np.ascontiguousarray(k_store[:, :, d:, :]).reshape(kvh, nb, d // 32, 2 * bs).view(np.float16)
+    v_scales = np.ascontiguousarray(v_store[..., d:]).view(np.float16)
+    return k_store[:, :, :d, :], k_scales, v_store[..., :d], v_scales
 
 
 GEOMETRIES = {
@@ -127,8 +162,8 @@ def test_c_decode_over_a_half_width_cache(seq_lens: list[int], window: int | Non
     torch.testing.assert_close(c_out, f32_out, rtol=rounding, atol=rounding)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, Q8_KV_DTYPE],
+                         ids=["float32", "float16", "bfloat16", "q8_0"])
 @pytest.mark.parametrize("geometry", [g for n, g in GEOMETRIES.items() if n != "portable"],
                          ids=[n for n in GEOMETRIES if n != "portable"])
 def test_avx512_decode_gives_the_avx2_bits(geometry: tuple[int, int, int, int], kv_dtype: torch.dtype) -> None:
@@ -153,6 +188,69 @@ def test_avx512_decode_gives_the_avx2_bits(geometry: tuple[int, int, int, int], 
         wide.value = 1
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+SIMD_GEOMETRIES = {n: g for n, g in GEOMETRIES.items() if n != "portable"}
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])
+def test_q8_0_write_gives_llama_cpp_blocks(simd: bool) -> None:
+    """--kv-cache-dtype q8_0: the C write stores each 32 dims of a key or value as
+    llama.cpp's q8_0 block (the numpy model `_q8_0`), byte for byte, in both builds: random
+    rows across magnitudes, a row of zeros (scale 0) and rows where one value dwarfs the
+    rest."""
+    lib = load_kernels(simd)
+    if lib is None:
+        pytest.skip("no C compiler: the kernels are not built")
+    gen = torch.Generator().manual_seed(7)
+    kvh, d, n = 2, 64, 40
+    rows = torch.randn(n, kvh, d, generator=gen) * 10.0 ** torch.randint(-3, 3, (n, kvh, 1), generator=gen)
+    rows[3] = 0.0
+    rows[5, 0, 7] = 1e4
+    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(4, 16, kvh, d, Q8_KV_DTYPE, torch.device("cpu"))
+    impl = TorchAttentionImpl(kvh, d, 1.0, kvh)
+    k_store, v_store = impl.cache_storage((k_cache, v_cache))
+    assert k_store.shape == (kvh, 4, d + d // 16, 16) and v_store.shape == (kvh, 4, 16, d + d // 16)
+    slots = torch.randperm(64, generator=gen)[:n]
+    values = rows.flip(-1).contiguous()  # V rows differ from K rows
+    lib.pg_write_kv(rows.data_ptr(), kvh * d, values.data_ptr(), kvh * d, n, kvh, d, KV_TYPE_CODES[Q8_KV_DTYPE],
+                    k_store.data_ptr(), v_store.data_ptr(), 4, 16, slots.data_ptr())
+    k_q, k_s, v_q, v_s = _q8_0_cache(k_cache, v_cache, d)
+    want_kq, want_ks = _q8_0(rows.numpy())
+    want_vq, want_vs = _q8_0(values.numpy())
+    for t, slot in enumerate(slots.tolist()):
+        blk, off = divmod(slot, 16)
+        assert np.array_equal(k_q[:, blk, :, off], want_kq[t]) and np.array_equal(v_q[:, blk, off], want_vq[t])
+        assert np.array_equal(k_s[:, blk, :, off], want_ks[t]) and np.array_equal(v_s[:, blk, off], want_vs[t])
+    assert (want_ks[3] == 0).all() and (want_kq[3] == 0).all()
+
+
+@pytest.mark.parametrize("geometry", SIMD_GEOMETRIES.values(), ids=SIMD_GEOMETRIES.keys())
+@pytest.mark.parametrize("window,cap", [(None, None), (13, None), (None, 0.5)])
+@pytest.mark.parametrize("seq_lens", [[1], [7, 1, 30], [200, 9]])
+def test_c_decode_over_a_q8_0_cache(seq_lens: list[int], window: int | None, cap: float | None,
+                                    geometry: tuple[int, int, int, int]) -> None:
+    """The decode attention over a q8_0 cache equals the torch path's float32 attention
+    over the values the cache holds (K/V already on q8_0's grid, so the write keeps them
+    exactly), and differs from float32 K/V by q8_0's rounding only."""
+    if geometry[0] * 16 < max(seq_lens):
+        pytest.skip("longer than the blocks this cache gives a request")
+    q8_out, k_cache, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=Q8_KV_DTYPE,
+                                      soft_cap=cap, q8_values=True)
+    assert k_cache.dtype == torch.int8 and k_cache.shape[-1] == geometry[3] + geometry[3] // 16
+    ref, _, _ = _decode_step(seq_lens, window, use_c=False, geometry=geometry, soft_cap=cap, q8_values=True)
+    torch.testing.assert_close(q8_out, ref, rtol=1e-5, atol=2e-6)
+    plain, _, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=Q8_KV_DTYPE,
+                               soft_cap=cap)
+    f32, _, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, soft_cap=cap)
+    assert 1e-4 < (plain - f32).abs().max() < 0.05  # q8_0's rounding of K and V N(0, 1)
+
+
+def test_q8_0_cache_needs_the_c_kernels() -> None:
+    """Only the C kernels read a q8_0 cache: the torch ops refuse it with the reason rather
+    than reading its bytes as numbers."""
+    with pytest.raises(RuntimeError, match="q8_0 KV cache is read and written by pagellm's C kernels only"):
+        _decode_step([5], None, use_c=False, geometry=(16, 9, 3, 64), kv_dtype=Q8_KV_DTYPE)
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])

@@ -1,7 +1,7 @@
 """The prompt attention kernel (pg_paged_prefill, kernels/paged_attention.c): several rows
 of a prompt chunk per task, sharing each K and V load; and the decode kernel's runs of such
 rows in a batch (RowAttention's prompt chunks and verify runs). Every row must give the bits
-the decode kernel gives it as a one-token decode of its own, for every cache type, head
+the decode kernel gives it as a one-token decode of its own, for every cache type (q8_0 too), head
 grouping (up to and past one task's 12 query vectors, 6 on AVX2), sliding window, score
 cap, a chunk with a cached prefix and chunks side by side, on AVX-512 and on AVX2."""
 
@@ -12,6 +12,7 @@ import ctypes
 import pytest
 import torch
 
+from pagellm.attention.backend import Q8_KV_DTYPE
 from pagellm.attention.torch_backend import KV_TYPE_CODES
 from pagellm.kernels import load_kernels
 
@@ -47,8 +48,15 @@ def _case(lib, chunks: list[tuple[int, int]], h: int, kvh: int, d: int, dtype: t
     unrelated row between chunks (a decode of the same step)."""
     gen = torch.Generator().manual_seed(seed)
     nb = 64
-    k_store = torch.randn(kvh, nb, d, BS, generator=gen).to(dtype)
-    v_store = torch.randn(kvh, nb, BS, d, generator=gen).to(dtype)
+    if dtype == Q8_KV_DTYPE:  # q8_0 blocks: int8 values, then float16 scales in the same rows
+        k_store = torch.randint(-127, 128, (kvh, nb, d + d // 16, BS), generator=gen, dtype=torch.int8)
+        v_store = torch.randint(-127, 128, (kvh, nb, BS, d + d // 16), generator=gen, dtype=torch.int8)
+        scales = lambda *shape: (torch.rand(*shape, generator=gen) / 64).half().view(torch.int8)  # noqa: E731
+        k_store[:, :, d:] = scales(kvh, nb, d // 32, BS).reshape(kvh, nb, d // 16, BS)
+        v_store[..., d:] = scales(kvh, nb, BS, d // 32)
+    else:
+        k_store = torch.randn(kvh, nb, d, BS, generator=gen).to(dtype)
+        v_store = torch.randn(kvh, nb, BS, d, generator=gen).to(dtype)
     ncols = max((p + r + BS - 1) // BS for p, r in chunks)
     tables = torch.stack([torch.randperm(nb, generator=gen)[:ncols] for _ in chunks]).contiguous()
     row0, row1, first_hi, t = [], [], [], 0
@@ -101,7 +109,8 @@ def _case(lib, chunks: list[tuple[int, int]], h: int, kvh: int, d: int, dtype: t
     assert torch.equal(out[outside], torch.full((len(outside), h, d), 7.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, Q8_KV_DTYPE],
+                         ids=["float32", "float16", "bfloat16", "q8_0"])
 def test_rows_match_the_decode_kernel_bit_for_bit(lib, dtype):
     _case(lib, [(0, 37), (21, 50), (0, 1)], h=9, kvh=3, d=64, dtype=dtype)
 
@@ -112,9 +121,11 @@ def test_head_groupings(lib, h, kvh):
     _case(lib, [(5, 29), (0, 40)], h=h, kvh=kvh, d=32, dtype=torch.float16, seed=1)
 
 
-def test_window_and_cap(lib):
-    _case(lib, [(30, 45), (0, 70)], h=6, kvh=2, d=64, dtype=torch.float16, window=24, cap=30.0, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float16, Q8_KV_DTYPE], ids=["float16", "q8_0"])
+def test_window_and_cap(lib, dtype):
+    _case(lib, [(30, 45), (0, 70)], h=6, kvh=2, d=64, dtype=dtype, window=24, cap=30.0, seed=2)
 
 
-def test_head_dim_128(lib):
-    _case(lib, [(100, 33)], h=8, kvh=2, d=128, dtype=torch.bfloat16, seed=3)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, Q8_KV_DTYPE], ids=["bfloat16", "q8_0"])
+def test_head_dim_128(lib, dtype):
+    _case(lib, [(100, 33)], h=8, kvh=2, d=128, dtype=dtype, seed=3)
