@@ -146,6 +146,27 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+def q8_kv_cache_refusal(model_config: ModelConfig, device: str, block_size: int) -> str | None:
+    """Why a q8_0 KV cache cannot serve this model here (None: it can). Only pagellm's C
+    attention reads it (paged_attention.c): CPU, float32 activations, blocks of 16 and
+    heads of 32-256 dims in whole q8_0 blocks, on a build with the AVX2 kernels."""
+    if device != "cpu":
+        return f"is a CPU cache (device {device})"
+    if model_config.dtype != "float32":
+        return f"needs float32 activations (dtype {model_config.dtype})"
+    if block_size != 16:
+        return f"needs block_size 16 (got {block_size})"
+    head_dim = model_config.head_dim
+    if head_dim % 32 or head_dim > 256:
+        return f"needs a head dim that is a multiple of 32 up to 256 (this model's: {head_dim})"
+    from pagellm import kernels
+
+    # read from the CPU's flags, as the int8-activation rule is: nothing is built here
+    if not kernels.simd_flags_available() or kernels.find_compiler() is None:
+        return "needs pagellm's AVX2 attention kernels (an x86 CPU with AVX2, FMA and F16C, and a C compiler)"
+    return None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16

@@ -36,6 +36,7 @@ from pagellm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    q8_kv_cache_refusal,
 )
 from pagellm.platforms import platform_of, resolve_device
 
@@ -79,27 +80,6 @@ _DTYPES = {  # name -> torch attribute
 
 _KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "q8_0")
 """Values of EngineArgs.kv_cache_dtype."""
-
-
-def _q8_kv_cache_refusal(model_config: ModelConfig, device: str, block_size: int) -> str | None:
-    """Why a q8_0 KV cache cannot serve this model here (None: it can). Only pagellm's C
-    attention reads it (paged_attention.c): CPU, float32 activations, blocks of 16 and
-    heads of 32-256 dims in whole q8_0 blocks, on a build with the AVX2 kernels."""
-    if device != "cpu":
-        return f"is a CPU cache (device {device})"
-    if model_config.dtype != "float32":
-        return f"needs float32 activations (dtype {model_config.dtype})"
-    if block_size != 16:
-        return f"needs block_size 16 (got {block_size})"
-    head_dim = model_config.head_dim
-    if head_dim % 32 or head_dim > 256:
-        return f"needs a head dim that is a multiple of 32 up to 256 (this model's: {head_dim})"
-    from pagellm import kernels
-
-    # read from the CPU's flags, as the int8-activation rule is: nothing is built here
-    if not kernels.simd_flags_available() or kernels.find_compiler() is None:
-        return "needs pagellm's AVX2 attention kernels (an x86 CPU with AVX2, FMA and F16C, and a C compiler)"
-    return None
 
 
 @dataclass
@@ -596,7 +576,7 @@ class EngineArgs:
         device and the weight path, so one machine and one model always get the same
         numerics."""
         if self.kv_cache_dtype == "q8_0":
-            why = _q8_kv_cache_refusal(model_config, device, self.block_size)
+            why = q8_kv_cache_refusal(model_config, device, self.block_size)
             if why is not None:
                 raise ValueError(f"kv_cache_dtype q8_0 {why}.")
             return "q8_0"
@@ -604,7 +584,7 @@ class EngineArgs:
             return _DTYPES[self.kv_cache_dtype]
         if device == "cpu" and model_config.quantization == "gguf" and model_config.gguf_activations != "float32":
             # the int8-activation path: q8_0 where the C attention reads it, else float16
-            return "float16" if _q8_kv_cache_refusal(model_config, device, self.block_size) else "q8_0"
+            return "float16" if q8_kv_cache_refusal(model_config, device, self.block_size) else "q8_0"
         return model_config.dtype
 
     def _resolve_quantization(self, model_path: str, device: str) -> str | None:

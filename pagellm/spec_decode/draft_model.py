@@ -31,7 +31,7 @@ from pagellm.attention.backend import (
     model_layer_windows,
     set_forward_context,
 )
-from pagellm.config import EngineConfig, ModelConfig
+from pagellm.config import EngineConfig, ModelConfig, q8_kv_cache_refusal
 from pagellm.logger import init_logger
 from pagellm.spec_decode import MAX_STEP_ROWS
 from pagellm.utils import cdiv
@@ -78,8 +78,12 @@ class DraftModelProposer:
         assert spec is not None and spec.draft_model_config is not None
         self.model_config: ModelConfig = spec.draft_model_config
         self.device = torch.device(config.device_config.device)
-        self.kv_dtype: torch.dtype = cache_torch_dtype(config.cache_config.cache_dtype)
         self.block_size = config.cache_config.block_size
+        cache_dtype = config.cache_config.cache_dtype
+        if cache_dtype == "q8_0" and q8_kv_cache_refusal(self.model_config, config.device_config.device,
+                                                         self.block_size):
+            cache_dtype = "float16"  # the target's q8_0 cache cannot serve the draft's heads
+        self.kv_dtype: torch.dtype = cache_torch_dtype(cache_dtype)
         self.attn_backend = get_attn_backend(config.attention_config.backend)
         self.max_chunk = config.scheduler_config.max_num_batched_tokens
         """Most tokens of one request run in one draft forward (a long prompt goes in chunks)."""
