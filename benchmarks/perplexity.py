@@ -107,7 +107,8 @@ class LockstepReader:
     decode row per sequence (the few lines of tests/utils.py's PagedRunner this needs:
     block tables, slot mapping, attention metadata)."""
 
-    def __init__(self, model: Any, model_config: Any, attn_backend: type, ctx: int) -> None:
+    def __init__(self, model: Any, model_config: Any, attn_backend: type, ctx: int,
+                 kv_dtype: Any = None) -> None:
         import torch
 
         self.model, self.ctx = model, ctx
@@ -117,7 +118,7 @@ class LockstepReader:
 
         def layer_cache() -> tuple[Any, Any]:
             k, v = attn_backend.allocate_kv_cache(num_blocks, BLOCK_SIZE, kvh, d,
-                                                  model_config.torch_dtype, torch.device("cpu"))
+                                                  kv_dtype or model_config.torch_dtype, torch.device("cpu"))
             return k.zero_(), v.zero_()
 
         self.kv_caches = [layer_cache() for _ in range(model_config.num_layers)]
@@ -145,12 +146,14 @@ class LockstepReader:
             return self.model.compute_logits(hidden) if logits else None
 
 
-def load_model(model_path: str, activations: str, ctx: int) -> tuple[Any, Any, type]:
+def load_model(model_path: str, activations: str, ctx: int) -> tuple[Any, Any, type, Any]:
     """The model as the engine builds it from EngineArgs (quantization detected: a GGUF's
-    blocks stay quantized), with `gguf_activations` = `activations`."""
+    blocks stay quantized), with `gguf_activations` = `activations`, and the KV cache
+    dtype the engine would give it (`kv_cache_dtype` auto)."""
     import torch
 
     from pagellm.attention import get_attn_backend
+    from pagellm.attention.backend import cache_torch_dtype
     from pagellm.engine.arg_utils import EngineArgs
     from pagellm.model_executor.loader import get_model
 
@@ -159,7 +162,7 @@ def load_model(model_path: str, activations: str, ctx: int) -> tuple[Any, Any, t
     backend = get_attn_backend(config.attention_config.backend)
     model = get_model(config.model_config, torch.device("cpu"), backend)
     model.eval()
-    return model, config.model_config, backend
+    return model, config.model_config, backend, cache_torch_dtype(config.cache_config.cache_dtype)
 
 
 def pagellm_scores(model_path: str, chunks: list[list[int]], activations: str) -> dict[str, Any]:
@@ -169,9 +172,9 @@ def pagellm_scores(model_path: str, chunks: list[list[int]], activations: str) -
 
     ctx = len(chunks[0])
     first = ctx // 2
-    model, mc, backend = load_model(model_path, activations, ctx)
+    model, mc, backend, kv_dtype = load_model(model_path, activations, ctx)
     quant = getattr(model.lm_head, "quant_method", None)
-    reader = LockstepReader(model, mc, backend, ctx)
+    reader = LockstepReader(model, mc, backend, ctx, kv_dtype)
     nll = torch.zeros(len(chunks), ctx - 1 - first, dtype=torch.float64)
     top = torch.zeros(len(chunks), ctx - 1 - first, dtype=torch.long)
     start = time.perf_counter()
@@ -191,6 +194,7 @@ def pagellm_scores(model_path: str, chunks: list[list[int]], activations: str) -
     return {"perplexity": math.exp(mean), "mean_nll": mean, "scored_tokens": nll.numel(),
             "seconds": seconds, "tokens_per_s": len(chunks) * (ctx - 1) / seconds,
             "quantization": mc.quantization, "gguf_activations": mc.gguf_activations,
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch.").replace("int8", "q8_0"),
             "q8_head": bool(getattr(quant, "q8_activations", False)),
             "q8_decode_stack": bool(fused is not None and getattr(fused, "q8", False)),
             "_top": top, "_nll": nll}
@@ -278,7 +282,7 @@ def print_table(result: dict[str, Any]) -> None:
     print("-" * len(header))
     for act, r in result["pagellm"].items():
         print(f"{'pagellm, ' + act + ' activations':<28} {r['perplexity']:>10.4f} "
-              f"{r['scored_tokens']:>13} {r['seconds']:>8.1f}")
+              f"{r['scored_tokens']:>13} {r['seconds']:>8.1f}  ({r['kv_cache_dtype']} KV cache)")
     llama = result["llama_perplexity"]
     if llama:
         scored = None if llama["chunks"] is None else llama["chunks"] * scored_per_chunk(result["ctx"])
