@@ -58,12 +58,16 @@ def test_perplexity_of_a_tiny_model(tmp_path: Path) -> None:
     assert list(data["pagellm"]) == acts.split(",")
     for act, r in data["pagellm"].items():
         assert set(r) == {"perplexity", "mean_nll", "scored_tokens", "seconds", "tokens_per_s",
-                          "quantization", "gguf_activations", "q8_head", "q8_decode_stack"}
+                          "quantization", "gguf_activations", "kv_cache_dtype", "q8_head", "q8_decode_stack"}
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
         assert r["perplexity"] == pytest.approx(math.exp(r["mean_nll"]))
         assert r["scored_tokens"] == data["scored_tokens"]
         assert r["quantization"] == "gguf" and r["gguf_activations"] == act
         assert r["q8_decode_stack"] == r["q8_head"] == (act == "q8")
+        # the cache the engine gives the path: float32 on the exact one, q8_0 on int8 rows
+        # where the AVX2 attention reads it (the tiny shape's heads: 32-dim multiples)
+        assert r["kv_cache_dtype"] == ("float32" if act == "float32" else
+                                       "q8_0" if q8_kernels_available() else "float16")
     if "q8" in data["pagellm"]:
         assert data["q8_over_float32"] == pytest.approx(
             data["pagellm"]["q8"]["perplexity"] / data["pagellm"]["float32"]["perplexity"])
