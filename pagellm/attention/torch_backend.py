@@ -415,6 +415,9 @@ class TorchAttentionImpl(AttentionImpl):
             dec.slot_lo.data_ptr(), dec.slot_hi.data_ptr(), dec.max_slots, self.scale,
             self.logits_soft_cap or 0.0, out.data_ptr(),
         )
+        if rc == -2:
+            raise ValueError(f"the C decode attention reads a q8_0 cache only in blocks of 16 with heads of "
+                             f"32-256 dims in steps of 32 (got blocks of {bs}, {d} dims)")
         if rc != 0:
             raise MemoryError("paged decode attention: out of memory for the score buffer")
         return out
@@ -660,7 +663,12 @@ class TorchAttentionBackend(AttentionBackend):
         """One layer's (K, V) cache, uninitialised, as logical [num_blocks, block_size,
         KVH, D] views over the storage described in the module docstring (a q8_0 cache's
         rows are `q8_row_width(D)` bytes wide)."""
-        width = q8_row_width(head_dim) if dtype == Q8_KV_DTYPE else head_dim
+        width = head_dim
+        if dtype == Q8_KV_DTYPE:
+            if block_size != 16 or head_dim % 32 or head_dim > 256:
+                raise ValueError(f"a q8_0 KV cache takes blocks of 16 and heads of 32-256 dims in steps of 32 "
+                                 f"(got blocks of {block_size}, {head_dim} dims)")
+            width = q8_row_width(head_dim)
         k = torch.empty((num_kv_heads, num_blocks, width, block_size), dtype=dtype, device=device)
         v = torch.empty((num_kv_heads, num_blocks, block_size, width), dtype=dtype, device=device)
         return k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)

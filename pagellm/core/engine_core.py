@@ -37,12 +37,22 @@ logger = init_logger(__name__)
 def _confirm_quantization(config: EngineConfig) -> EngineConfig:
     """The frontend resolves an auto 'gguf' from the compiler's presence (see
     resolve_quantization); a kernel build that fails here (logged by load_kernels)
-    falls back to dequantizing the GGUF file, as resolve_quantization would have."""
-    if config.model_config.quantization != "gguf":
+    falls back to dequantizing the GGUF file, as resolve_quantization would have. A q8_0
+    KV cache, chosen the same way (config.q8_kv_cache_refusal) and read only by the
+    kernels, falls back to float16."""
+    q8_cache = config.cache_config.cache_dtype == "q8_0"
+    if config.model_config.quantization != "gguf" and not q8_cache:
         return config
     from pagellm.kernels import load_kernels
 
     if load_kernels() is not None:
+        return config
+    if q8_cache:
+        logger.warning("pagellm's C kernels did not build: the KV cache is float16, not q8_0 (only the "
+                       "kernels read q8_0)")
+        config = dataclasses.replace(config, cache_config=dataclasses.replace(config.cache_config,
+                                                                              cache_dtype="float16"))
+    if config.model_config.quantization != "gguf":
         return config
     spec = config.speculative_config
     if spec is not None and spec.draft_model_config is not None and spec.draft_model_config.quantization == "gguf":

@@ -197,6 +197,8 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
                                     i64, ptr, i64, ptr, ptr, i64, ctypes.c_float, ctypes.c_float,
                                     ptr]
     lib.pg_paged_decode.restype = ctypes.c_int
+    lib.pg_paged_decode_ready.argtypes = [ctypes.c_int, i64, i64]
+    lib.pg_paged_decode_ready.restype = ctypes.c_int
     lib.pg_paged_prefill_ready.argtypes = [i64]
     lib.pg_paged_prefill_ready.restype = ctypes.c_int
     lib.pg_paged_prefill.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr,

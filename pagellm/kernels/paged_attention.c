@@ -1029,10 +1029,20 @@ void pg_paged_decode_part(const float *q, int64_t ldq, int64_t B, int64_t H, int
     }
 }
 
+int pg_paged_prefill_ready(int64_t D);
+
+/* Whether pg_paged_decode_part reads a cache of type kv_type for heads of D dims in blocks
+ * of bs: every float type anywhere; q8_0 on the AVX2 path only (bs 16, D a multiple of 32
+ * up to 256), the same condition as pg_paged_prefill_ready. */
+int pg_paged_decode_ready(int kv_type, int64_t D, int64_t bs) {
+    return kv_type != PG_KV_Q8 || (bs == 16 && pg_paged_prefill_ready(D));
+}
+
 int pg_paged_decode(const float *q, int64_t ldq, int64_t B, int64_t H, int64_t KVH, int64_t D,
                     int kv_type, const void *k_store, const void *v_store, int64_t NB,
                     int64_t bs, const int64_t *table, int64_t table_stride, const int64_t *lo,
                     const int64_t *hi, int64_t max_slots, float scale, float cap, float *out) {
+    if (!pg_paged_decode_ready(kv_type, D, bs)) return -2;
     atomic_int failed = 0;
     PG_TEAM_RUN(B * H * max_slots * D >= 32768, {
         float *scratch = malloc((size_t)pg_paged_decode_scratch(max_slots) * sizeof(float));
@@ -1067,9 +1077,9 @@ static inline __attribute__((always_inline)) void write_kv_rows(
 }
 
 /* The float16 scale of 32 values x, and x / scale rounded to int8 in q (llama.cpp's q8_0,
- * as its AVX2 quantizer does it: scale = max |x| / 127, x times 1 / scale rounded to
+ * as its AVX2 quantizer does it: scale = max |x| / 127, x times 127 / max |x| rounded to
  * nearest even; a block of zeros has scale 0). The AVX2 and plain loops give the same
- * bytes. */
+ * bytes for finite x (a NaN or infinity, which no finite model output holds, may not). */
 static inline uint16_t q8_block(const float *x, int8_t *q) {
 #ifdef PG_AVX2
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -1081,7 +1091,7 @@ static inline uint16_t q8_block(const float *x, int8_t *q) {
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
     __m256i n[4];
     for (int i = 0; i < 4; i++)
         n[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(id)),
@@ -1092,7 +1102,7 @@ static inline uint16_t q8_block(const float *x, int8_t *q) {
 #else
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
     for (int i = 0; i < 32; i++) q[i] = (int8_t)nearbyintf(x[i] * id);
 #endif
     return f32_to_f16(d);
@@ -1140,6 +1150,7 @@ void pg_write_kv_part(const float *key, int64_t ldk, const float *value, int64_t
 void pg_write_kv(const float *key, int64_t ldk, const float *value, int64_t ldv, int64_t T,
                  int64_t KVH, int64_t D, int kv_type, void *k_store, void *v_store, int64_t NB,
                  int64_t bs, const int64_t *slots) {
+    if (kv_type == PG_KV_Q8 && D % 32 != 0) return; /* refused by the caller (q8_0 blocks) */
     PG_TEAM_RUN(T * KVH * D >= 65536, pg_write_kv_part(key, ldk, value, ldv, T, KVH, D, kv_type,
                                                        k_store, v_store, NB, bs, slots, &team));
 }

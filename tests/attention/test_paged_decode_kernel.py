@@ -85,12 +85,13 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
 
 def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's q8_0 of x's last axis (a model for the C write, as its AVX2 quantizer
-    rounds): per 32 values the scale max |x| / 127 as float16, and the values times 1 /
-    scale rounded to nearest even as int8; scale 0 for a block of zeros."""
+    rounds): per 32 values the scale max |x| / 127 as float16, and the values times 127 /
+    max |x| rounded to nearest even as int8; scale 0 for a block of zeros."""
     blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
-    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(blocks * inv).astype(np.int8).reshape(x.shape)
     return q, d[..., 0].astype(np.float16)
 
@@ -247,10 +248,30 @@ def test_c_decode_over_a_q8_0_cache(seq_lens: list[int], window: int | None, cap
 
 
 def test_q8_0_cache_needs_the_c_kernels() -> None:
-    """Only the C kernels read a q8_0 cache: the torch ops refuse it with the reason rather
-    than reading its bytes as numbers."""
+    """Only the C kernels' AVX2 attention reads a q8_0 cache: the torch ops refuse it with
+    the reason rather than reading its bytes as numbers, a geometry the kernels do not read
+    is refused when the cache is made, and the C decode says so (-2) rather than reading
+    it as float32 where its plain loops would run."""
     with pytest.raises(RuntimeError, match="q8_0 KV cache is read and written by pagellm's C kernels only"):
         _decode_step([5], None, use_c=False, geometry=(16, 9, 3, 64), kv_dtype=Q8_KV_DTYPE)
+    for bs, d in ((8, 64), (16, 48), (16, 512)):
+        with pytest.raises(ValueError, match=f"a q8_0 KV cache takes blocks of 16 and heads of 32-256 dims in "
+                                             f"steps of 32 \\(got blocks of {bs}, {d} dims\\)"):
+            TorchAttentionBackend.allocate_kv_cache(4, bs, 1, d, Q8_KV_DTYPE, torch.device("cpu"))
+    for simd in (True, False):
+        lib = load_kernels(simd)
+        if lib is None:
+            continue
+        ready = bool(lib.pg_paged_prefill_ready(64))  # the AVX2 build
+        assert [lib.pg_paged_decode_ready(3, d, bs) for d, bs in ((64, 16), (64, 8), (48, 16), (288, 16))] \
+            == [ready, False, False, False]
+        assert lib.pg_paged_decode_ready(1, 48, 8) == 1  # a float cache: anywhere
+        out = torch.empty(1, 1, 48)
+        cache = torch.zeros(2, 48 + 3, 16, dtype=torch.int8)
+        zero = torch.zeros(1, dtype=torch.long)
+        assert lib.pg_paged_decode(out.data_ptr(), 48, 1, 1, 1, 48, 3, cache.data_ptr(), cache.data_ptr(), 2, 16,
+                                   zero.data_ptr(), 1, zero.data_ptr(), (zero + 1).data_ptr(), 1, 1.0, 0.0,
+                                   out.data_ptr()) == -2
 
 
 @pytest.mark.parametrize("simd", [True, False], ids=["simd", "portable"])

@@ -70,21 +70,26 @@ def test_every_ranks_ready_response_is_read() -> None:
 
 
 def test_the_engine_cores_quantization_reaches_the_frontends_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The frontend resolves an auto 'gguf' from the compiler alone (no torch import); an
-    engine core whose kernel build fails runs dequantized and says so in its handshake,
-    and the frontend's model_config follows."""
+    """The frontend resolves an auto 'gguf' (and an auto q8_0 KV cache) from the compiler
+    alone (no torch import); an engine core whose kernel build fails runs dequantized, on a
+    float16 cache where q8_0 was picked (only the kernels read q8_0), and says so in its
+    handshake, and the frontend's model_config follows."""
     from pagellm import kernels
     from pagellm.core.engine_core import _confirm_quantization
     from pagellm.engine.arg_utils import EngineArgs
     from pagellm.engine.llm_engine import apply_ready_response
 
     config = EngineArgs(max_model_len=64).create_engine_config()
+    config = dataclasses.replace(config, cache_config=dataclasses.replace(config.cache_config, cache_dtype="q8_0"))
     assert config.model_config.quantization == "gguf"
     assert _confirm_quantization(config) is config
     monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     fallback = _confirm_quantization(config)
     assert fallback.model_config.quantization is None
     assert dataclasses.replace(fallback.model_config, quantization="gguf") == config.model_config
+    assert fallback.cache_config == dataclasses.replace(config.cache_config, cache_dtype="float16")
+    exact = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, quantization=None))
+    assert _confirm_quantization(exact).cache_config.cache_dtype == "float16"  # float weights, q8_0 asked
 
     class Client:
         ready = EngineCoreReadyResponse(12, None)

@@ -379,6 +379,9 @@ class FusedDecodeStack:
             self._layers[i].v_store = v_store.data_ptr()
             self.NB, self.bs = k_store.shape[1], k_store.shape[3]
             self.kv_type = KV_TYPE_CODES.get(k_store.dtype)
+            if self.kv_type is not None and not self.lib.pg_paged_decode_ready(self.kv_type, p.attn.impl.head_dim,
+                                                                               self.bs):
+                self.kv_type = None  # a cache this geometry's C attention does not read
         self._caches = kv_caches
 
     def _views(self, t: int) -> list[Any] | None:
