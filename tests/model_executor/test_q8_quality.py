@@ -19,9 +19,9 @@ perplexity 23.488:
   top-1 equal at 100% (bfloat16: +0.07%, 99.7%); the q8 near-ties are what moves.
 - q8 with a q8_0 KV cache (what `auto` picks where pagellm's AVX2 attention reads it;
   measured on an Intel Xeon with AMX, where q8 with the float16 cache gave +0.32% and
-  95.5%): perplexity +0.11%, top-1 equal at 95.6%. The q8_0 cache alone, on the exact path:
-  perplexity +0.007%, top-1 equal at 98.6%. Read as 110-row prompt chunks (AMX products):
-  q8 with the q8_0 cache -0.07% and 98.2%, the q8_0 cache alone -0.02% and 98.6%.
+  95.5%): perplexity +0.21%, top-1 equal at 95.4%. The q8_0 cache alone, on the exact path:
+  perplexity -0.01%, top-1 equal at 98.6%. Read as 110-row prompt chunks (AMX products):
+  q8 with the q8_0 cache -0.09% and 98.0%, the q8_0 cache alone -0.09% and 98.4%.
 - q8x2 (two levels everywhere): perplexity +0.0002%, top-1 equal at 100%.
 (benchmarks/perplexity.py measures the same with llama-perplexity's protocol.)"""
 
