@@ -218,6 +218,8 @@ def test_compare_quick_writes_table(tmp_path: Path) -> None:
     assert data["machine"]["read_bandwidth_gbs"] > 0
     rows = {(r["system"], r["workload"]): r for r in data["rows"]}
     assert set(rows) == {(s, w) for s in ("pagellm", "vllm") for w in ("W", "V", "S", "P")}
+    # a pagellm run that failed is a row with its error as the note: say it
+    assert [(key, r["note"]) for key, r in rows.items() if key[0] == "pagellm" and r["output_tokens"] is None] == []
     w = rows[("pagellm", "W")]
     assert w["output_tokens"] == 4 * 8 and w["prompt_tokens"] == 4 * 16
     assert w["ratio_to_pagellm"] == 1.0 and w["output_tokens_per_s"] > 0
