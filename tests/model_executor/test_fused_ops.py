@@ -252,12 +252,13 @@ def test_fused_decode_stack_equals_module_path(tmp_path: Any, activations: str,
 
 
 def test_fused_stack_on_amx_equals_module_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Steps of 32 rows or more on the q8 path where the CPU has AMX-BF16: the one-region
+    """Steps past the decode kernels' 16 rows on the q8 path where the CPU has AMX-BF16: the one-region
     stack's products on AMX tiles, its MLP's gate and up products with the activation in
     one pass (gated_amx) and its runs of prompt rows attended together, against the module
     path (the same products through gguf_matmul and GGUFLinearMethod.apply_gated, prompt
-    rows through pg_paged_prefill): a 35-decode step, a 70-row step of prompts beside
-    decodes, and steps of prompt rows under 32 rows (which take AMX at any count:
+    rows through pg_paged_prefill): 35- and 20-decode steps (AMX from 17 decodes,
+    AMX_MIN_ROWS), a 70-row step of prompts beside decodes, and short steps of prompt rows
+    (which take AMX at any count:
     quantization.gguf.amx_min_rows). Logits within 1e-5."""
     from pagellm.benchmarks.synthetic_gguf import SHAPES, write_llama_gguf
 
@@ -279,7 +280,7 @@ def test_fused_stack_on_amx_equals_module_path(tmp_path: Any, monkeypatch: pytes
         [(n, 2) for n in names],  # 70 prompt rows: a step of prompt chunks
         [(n, 1) for n in names[:30]] + [(n, 2) for n in names[30:]],  # decodes beside chunks
         [(n, 1) for n in names],  # 35 decodes
-        [(n, 1) for n in names],
+        [(n, 1) for n in names[:20]],  # 20 decodes
         [(names[0], 1), (names[1], 2), (names[2], 3)],  # a one-token row beside two chunks: 6 rows
         [(names[3], 4)],  # 4 rows of one
     ]

@@ -340,7 +340,7 @@ def test_default_model_drafting_for_itself_accepts_every_proposal(default_model_
 @pytest.fixture
 def int8_products_only():
     """The AMX kernels off (pg_amx_on = 0) for an in-process engine: a draft's catch-up run
-    of 32 rows or more takes the bfloat16 AMX products where the CPU has them, while the
+    (prompt rows) takes the bfloat16 AMX products where the CPU has them, while the
     target decoded those tokens in steps of int8 rows, so a self-draft's proposal can differ
     from the target's token at a near-tie (greedy output stays identical; acceptance is
     then short of 100%, seen 81 of 83 on an AMX Xeon)."""

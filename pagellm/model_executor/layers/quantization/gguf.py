@@ -67,13 +67,18 @@ path): a step's decode rows, or a logits head's rows. Past it a decode-only step
 int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched
 float kernels are faster than the decode kernels (benchmarks/kernel_shapes.py)."""
 
-AMX_MIN_ROWS = 32
+AMX_MIN_ROWS = Q8_MAX_ROWS + 1
 """Rows of a step of decodes from which its int8 GEMM products run on AMX tiles in bfloat16
 instead, where the CPU has AMX-BF16 (kernels/amx_gemm.c): x and the dequantized weights
 rounded to bfloat16 (relative error <= 2^-9 each, less than one int8 level of x), summed in
-float32. Below it, dequantizing the weights costs more than the tiles save against the
-int8 kernels (the 1B shapes: 32 rows 0.7x the int8 GEMM's time, 64 rows 0.5x, 512 rows
-0.3-0.4x). A step with prompt rows takes AMX at any row count (`amx_min_rows`)."""
+float32. That is every decode-only step past the decode kernels' rows: with the weights
+repacked sixteen rows at a time the tiles beat the int8 GEMM from 17 rows on (whole
+decode steps, ms, AMX from 17 against from 32 rows: default model 17 rows 19.1 / 24.7, 24
+rows 20.8 / 28.3, 28 rows 21.8 / 31.0; 1B-shaped file 17 rows 107 / 125, 24 rows 113 / 154;
+8B-shaped file 17 rows 678 / 727, 24 rows 686 / 886). It was 32 until then (the 1B shapes
+before the repack: 32 rows 0.7x the int8 GEMM's time, 64 rows 0.5x, 512 rows 0.3-0.4x).
+The logits head of this many rows takes the tiles too. A step with prompt rows takes AMX
+at any row count (`amx_min_rows`)."""
 
 SCRATCH_VALUES = 1 << 22
 """float32 values in the dequantization scratch tile (16 MiB)."""
