@@ -348,9 +348,10 @@ class TorchAttentionImpl(AttentionImpl):
             )
         else:
             _write_kv(key[:n], value[:n], k_store, v_store, metadata)
-        if k_store.dtype == Q8_KV_DTYPE and not (query.stride(2) == 1 and query.stride(1) == self.head_dim):
-            query = query.contiguous()  # only the C attention reads this cache
-        c_decode = lib is not None and query.stride(2) == 1 and query.stride(1) == self.head_dim
+        c_layout = query.stride(2) == 1 and query.stride(1) == self.head_dim
+        if k_store.dtype == Q8_KV_DTYPE and not c_layout:
+            query, c_layout = query.contiguous(), True  # only the C attention reads this cache
+        c_decode = lib is not None and c_layout
         dec = metadata.decode
         torch_decode = self._decode if k_store.dtype == query.dtype else self._decode_widened
         if metadata.decode_only and dec and n == query.shape[0]:
@@ -591,8 +592,14 @@ KV_TYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.in
 """Cache dtypes the C kernels read and write, as their `kv_type` (paged_attention.c's
 PG_KV_*). int8 storage is a q8_0 cache (`Q8_KV_DTYPE`)."""
 
-def q8_row_width(head_dim: int) -> int:
-    """Bytes of one head's row in a q8_0 cache: the int8 values and their float16 scales."""
+def _row_width(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one head's row of a slot in the cache: head_dim, or for a q8_0 cache its
+    bytes (the int8 values and their float16 scales), in the geometry the kernels read."""
+    if dtype != Q8_KV_DTYPE:
+        return head_dim
+    if block_size != 16 or head_dim % 32 or head_dim > 256:
+        raise ValueError(f"a q8_0 KV cache takes blocks of 16 and heads of 32-256 dims in steps of 32 "
+                         f"(got blocks of {block_size}, {head_dim} dims)")
     return head_dim + head_dim // 16
 
 
@@ -662,13 +669,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's (K, V) cache, uninitialised, as logical [num_blocks, block_size,
         KVH, D] views over the storage described in the module docstring (a q8_0 cache's
-        rows are `q8_row_width(D)` bytes wide)."""
-        width = head_dim
-        if dtype == Q8_KV_DTYPE:
-            if block_size != 16 or head_dim % 32 or head_dim > 256:
-                raise ValueError(f"a q8_0 KV cache takes blocks of 16 and heads of 32-256 dims in steps of 32 "
-                                 f"(got blocks of {block_size}, {head_dim} dims)")
-            width = q8_row_width(head_dim)
+        rows are `_row_width` bytes wide: D + D / 16)."""
+        width = _row_width(block_size, head_dim, dtype)
         k = torch.empty((num_kv_heads, num_blocks, width, block_size), dtype=dtype, device=device)
         v = torch.empty((num_kv_heads, num_blocks, block_size, width), dtype=dtype, device=device)
         return k.permute(1, 3, 0, 2), v.permute(1, 2, 0, 3)
@@ -676,5 +678,4 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def kv_cache_block_bytes(block_size: int, num_kv_heads: int, head_dim: int,
                              dtype: torch.dtype) -> int:
-        width = q8_row_width(head_dim) if dtype == Q8_KV_DTYPE else head_dim
-        return 2 * block_size * num_kv_heads * width * dtype.itemsize
+        return 2 * block_size * num_kv_heads * _row_width(block_size, head_dim, dtype) * dtype.itemsize

@@ -59,10 +59,20 @@ static inline int64_t kv_row_bytes(int kt, int64_t D) {
 
 /* The scale of dims [d, d + 32) (d a multiple of 32) of V row vrow: a q8_0 row's, 1 for
  * a float cache. A slot's probability times it weighs the row's raw values. */
+/* A q8_0 cache's K block kblk (numbered kvh * NB + block; bs 16) and V row vrow
+ * ((kvh * NB + block) * 16 + slot), as bytes. */
+static inline const int8_t *q8_kblock(const void *k, int64_t kblk, int64_t D) {
+    return (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+}
+static inline const int8_t *q8_vrow(const void *v, int64_t vrow, int64_t D) {
+    return (const int8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
+}
+
 static inline float v_scale(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return 1.0f;
-    return pg_f16((const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D) + D + d / 32 * 2);
+    return pg_f16((const uint8_t *)q8_vrow(v, vrow, D) + D + d / 32 * 2);
 }
+
 
 /* Element i of a cache of type kt as a float. */
 static inline float kv_get(const void *base, int64_t i, const int kt) {
@@ -202,13 +212,13 @@ static inline __m256 kv_load8(const void *base, int64_t i, const int kt) {
  * as floats: a float cache's values, a q8_0 cache's int8 values (times k_scale8's). */
 static inline __m256 k_load8(const void *k, int64_t kblk, int64_t D, int64_t d, int s0, const int kt) {
     if (kt != PG_KV_Q8) return kv_load8(k, (kblk * D + d) * 16 + s0, kt);
-    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *b = q8_kblock(k, kblk, D);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + d * 16 + s0))));
 }
 
 /* The q8_0 scales of slots [s0, s0 + 8) for dims [32 c, 32 c + 32) of block kblk. */
 static inline __m256 k_scale8(const void *k, int64_t kblk, int64_t D, int64_t c, int s0) {
-    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *b = q8_kblock(k, kblk, D);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * D + c * 32 + 2 * s0)));
 }
 
@@ -216,7 +226,7 @@ static inline __m256 k_scale8(const void *k, int64_t kblk, int64_t D, int64_t c,
  * cache's int8 values: times v_scale). */
 static inline __m256 v_load8(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return kv_load8(v, vrow * D + d, kt);
-    const uint8_t *r = (const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *r = q8_vrow(v, vrow, D);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + d))));
 }
 
@@ -301,6 +311,14 @@ static inline __attribute__((always_inline)) void prefetch_next_line(const char 
     }
 }
 
+/* The prefetches of K block kn's dim d (a line of values every 64 bytes, and a q8_0
+ * block's scale lines in its first iterations). */
+static inline __attribute__((always_inline)) void prefetch_k_dim(const char *kn, int64_t d, int64_t D,
+                                                                 int64_t es, const int kt) {
+    if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
+    if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+}
+
 /* A q8_0 K block's sums over its 32 dims (blk, per query vector, slots 0-7 and 8-15)
  * times the slots' scales, added to the scores a; blk starts again from zero. */
 static inline __attribute__((always_inline)) void q8_fold8(const int n, __m256 (*a)[2], __m256 (*blk)[2],
@@ -338,8 +356,7 @@ static inline __attribute__((always_inline)) void decode_heads(
         const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
-            if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            prefetch_k_dim(kn, d, D, es, kt);
             __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
             __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int g = 0; g < G; g++) {
@@ -433,8 +450,7 @@ static inline __attribute__((always_inline)) void rows_heads(
         __m256 a[6][2], blk[6][2];
         for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = blk[i][0] = blk[i][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            prefetch_k_dim(kn, d, D, es, kt);
             const __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
             __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int i = 0; i < NQ; i++) {
@@ -619,14 +635,14 @@ ATTN512 static inline __attribute__((always_inline)) __m512 kv_load16(const void
 ATTN512 static inline __attribute__((always_inline)) __m512 k_load16(const void *k, int64_t kblk, int64_t D,
                                                                      int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return kv_load16(k, (kblk * D + d) * 16, kt);
-    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *b = q8_kblock(k, kblk, D);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + d * 16))));
 }
 
 /* k_scale8 for all 16 slots. */
 ATTN512 static inline __attribute__((always_inline)) __m512 k_scale16(const void *k, int64_t kblk, int64_t D,
                                                                       int64_t c) {
-    const int8_t *b = (const int8_t *)k + kblk * 16 * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *b = q8_kblock(k, kblk, D);
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 16 * D + c * 32)));
 }
 
@@ -634,7 +650,7 @@ ATTN512 static inline __attribute__((always_inline)) __m512 k_scale16(const void
 ATTN512 static inline __attribute__((always_inline)) __m512 v_load16(const void *v, int64_t vrow, int64_t D,
                                                                      int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return kv_load16(v, vrow * D + d, kt);
-    const uint8_t *r = (const uint8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
+    const int8_t *r = q8_vrow(v, vrow, D);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d))));
 }
 
@@ -752,7 +768,7 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
     int64_t stride, float *out, int64_t H) {
     const char *kc = (const char *)k_store, *vc = (const char *)v_store;
-    const int64_t es = kv_elem_bytes(kt), line = 64 / es, rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
+    const int64_t es = kv_elem_bytes(kt), rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     int64_t first, last;
     float qs[12][256];
     rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
@@ -763,8 +779,7 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
         __m512 a[12], blk[12];
         for (int i = 0; i < NQ; i++) a[i] = blk[i] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            if ((d * 16) % line == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-            if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
+            prefetch_k_dim(kn, d, D, es, kt);
             const __m512 k = k_load16(k_store, kb, D, d, kt);
             __m512 *acc = kt == PG_KV_Q8 ? blk : a;
             for (int i = 0; i < NQ; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, acc[i]);
