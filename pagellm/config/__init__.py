@@ -227,6 +227,10 @@ class ParallelConfig:
     data_parallel_backend: str = "mp"
     """How the head starts its engine cores: 'mp' (processes of this machine) or 'ray' (Ray
     actors on a Ray cluster, placed by one placement group; they connect over TCP)."""
+    tensor_parallel_size: int = 1
+    """Processes that each hold a shard of the model (heads, MLP columns, vocabulary) and
+    run every step together over gloo: the engine core is rank 0 and starts the others on
+    its machine (pagellm/distributed/tensor_parallel.py)."""
 
     @property
     def local_ranks(self) -> range:
@@ -396,6 +400,7 @@ class EngineConfig:
             "pooler_config": repr(mc.pooler_config),
             "seed": str(mc.seed),
             "data_parallel_size": str(self.parallel_config.data_parallel_size),
+            "tensor_parallel_size": str(self.parallel_config.tensor_parallel_size),
             "attention_backend": self.attention_config.backend,
             "structured_outputs_backend": self.structured_outputs_config.backend,
             "reasoning_parser": self.structured_outputs_config.reasoning_parser,

@@ -69,7 +69,12 @@ class EngineCore:
             torch.manual_seed(config.model_config.seed)
         self.fingerprint = config.fingerprint()  # as asked for: the head compares flags, not kernels
         config = _confirm_quantization(config)
-        self.model_runner = ModelRunner(config)
+        if config.parallel_config.tensor_parallel_size > 1:
+            from pagellm.distributed.tensor_parallel import TensorParallelRunner
+
+            self.model_runner: ModelRunner | TensorParallelRunner = TensorParallelRunner(config)
+        else:
+            self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         self.drafter: DraftModelProposer | None = None
         """The draft model of speculative method 'draft_model': loaded before the KV cache is
@@ -236,6 +241,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
+        stop_ranks = getattr(self.model_runner, "shutdown", None)
+        if stop_ranks is not None:  # tensor parallelism: the other ranks' processes
+            stop_ranks()
 
 
 def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:
@@ -252,5 +260,8 @@ def _check_pool_holds_a_sequence(config: EngineConfig, num_blocks: int) -> None:
 
 
 def _set_num_threads(config: EngineConfig) -> None:
+    """Each of the machine's compute processes (its engine cores' tensor-parallel ranks)
+    takes its share of the cores."""
+    pc = config.parallel_config
     platform_of(config.device_config.device).set_num_threads(
-        config.parallel_config.num_engines_on_this_machine, envs.PAGELLM_NUM_THREADS)
+        pc.num_engines_on_this_machine * pc.tensor_parallel_size, envs.PAGELLM_NUM_THREADS)

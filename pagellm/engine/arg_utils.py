@@ -154,8 +154,14 @@ class EngineArgs:
     heartbeat (stopped, frozen) before it counts as hung: it is killed and handled as a
     death (503 for its requests; a restart with --restart-engine-on-failure, else the
     server exits 1). None: PAGELLM_ENGINE_ITERATION_TIMEOUT_S (default 60); 0: no watchdog."""
-    tensor_parallel_size: int = 1
-    """Tensor parallelism (only 1 is supported)."""
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    """Processes that split the model between them (vLLM's -tp), on CPU over gloo: each
+    holds its share of the attention heads, the MLP's columns and the vocabulary, and
+    every step runs on all of them, summed after each attention and MLP block. The engine
+    core is rank 0 and starts the others on its machine, and each takes its share of the
+    CPU cores. For a model that needs more memory bandwidth than one socket has (ranks on
+    separate NUMA nodes); on one socket it is slower than one process (one sum per block
+    per step). Llama-family models (Llama, Mistral, Qwen2/3, SmolLM3, Phi-3)."""
     quantization: str | None = None
     """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
     gguf_activations: str = ModelConfig.gguf_activations
@@ -358,6 +364,7 @@ class EngineArgs:
                 data_parallel_backend=self.data_parallel_backend,
                 restart_engine_on_failure=self.restart_engine_on_failure,
                 engine_iteration_timeout_s=self._iteration_timeout(),
+                tensor_parallel_size=self._verify_tensor_parallel(model_config, device),
             ),
             device_config=DeviceConfig(device=device),
             compilation_config=compilation,
@@ -483,8 +490,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         self._iteration_timeout()
         self._verify_data_parallel_layout()
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by pagellm; use data_parallel_size.")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}.")
         from pagellm.model_executor.layers.quantization import check_gguf_activations
 
         check_gguf_activations(self.gguf_activations, "gguf_activations")
@@ -496,6 +503,34 @@ class EngineArgs:
                 f"attention_backend must be one of {', '.join(available_attn_backends())}; "
                 f"got {self.attention_backend!r}."
             )
+
+    def _verify_tensor_parallel(self, model_config: ModelConfig, device: str) -> int:
+        """tensor_parallel_size, checked against what the shards need: CPU (gloo), a family
+        whose layers split, heads and the MLP's columns that divide, no draft model."""
+        from pagellm.model_executor import ModelRegistry
+
+        size = self.tensor_parallel_size
+        if size == 1:
+            return size
+        where = f"tensor_parallel_size={size}"
+        if device != "cpu":
+            raise ValueError(f"{where}: tensor parallelism runs on CPU (gloo); use device='cpu' "
+                             "or tensor_parallel_size=1.")
+        arch = model_config.architecture
+        if not getattr(ModelRegistry.resolve_model_cls(arch), "supports_tensor_parallel", False):
+            raise ValueError(f"{where}: {arch} does not split across ranks yet (Llama, Mistral, Qwen2, "
+                             "Qwen3, SmolLM3 and Phi-3 do); use tensor_parallel_size=1 or data_parallel_size.")
+        hf = model_config.hf_config
+        for name, n in (("num_attention_heads", hf.num_attention_heads),
+                        ("num_key_value_heads", model_config.num_kv_heads),
+                        ("intermediate_size", hf.intermediate_size)):
+            if n % size:
+                raise ValueError(f"{where}: the model's {name} ({n}) does not divide into {size} "
+                                 "equal shards.")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError(f"{where}: a draft model (speculative_config.model) is not supported with "
+                             "tensor parallelism; use the ngram method.")
+        return size
 
     def _verify_data_parallel_layout(self) -> None:
         """Which ranks run on this node and where the others connect."""

@@ -25,6 +25,7 @@ from pagellm.attention.backend import (
     set_forward_context,
 )
 from pagellm.config import EngineConfig
+from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.pooler import Pooler
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
@@ -59,8 +60,11 @@ def _pause_progress_while_compiling() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup = SINGLE):
         self.config = config
+        self.tp = tp
+        """The tensor-parallel group whose shard of the model this runner holds (SINGLE: the
+        whole model); every rank runs the same calls on the same scheduler outputs."""
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.device = torch.device(config.device_config.device)
@@ -95,7 +99,8 @@ class ModelRunner:
         from pagellm.model_executor.loader import get_model, weights_summary
 
         start = time.perf_counter()
-        self.model = get_model(self.model_config, self.device, self.attn_backend)
+        with building_with(self.tp):
+            self.model = get_model(self.model_config, self.device, self.attn_backend)
         self.model.eval()
         self._forward = self.model.forward
         if self.config.compilation_config.mode >= 1:
@@ -108,20 +113,26 @@ class ModelRunner:
         """A metadata builder per distinct sliding window of the model's layers."""
         self.attn_builder: AttentionMetadataBuilder = self.attn_groups.primary
         logger.info(
-            "Loaded %s (%s, %s activations, weights %s) on %s in %.2f s",
+            "Loaded %s (%s, %s activations, weights %s) on %s%s in %.2f s",
             self.model_config.model,
             self.model_config.architecture,
             str(self.dtype).removeprefix("torch."),
             weights_summary(self.model),
             self.device,
+            f" (tensor parallel rank {self.tp.rank} of {self.tp.size})" if self.tp.size > 1 else "",
             time.perf_counter() - start,
         )
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds (all of them on one rank)."""
+        return self.model_config.num_kv_heads // self.tp.size
 
     def kv_bytes_per_block(self) -> int:
         m = self.model_config
         if m.is_encoder_only:
             return 0
-        per_layer = self.attn_backend.kv_cache_block_bytes(self.block_size, m.num_kv_heads, m.head_dim,
+        per_layer = self.attn_backend.kv_cache_block_bytes(self.block_size, self.num_kv_heads, m.head_dim,
                                                            self.kv_dtype)
         return m.num_layers * per_layer
 
@@ -138,7 +149,8 @@ class ModelRunner:
         budget = cc.kv_cache_memory_bytes
         if budget is None:
             budget = self.platform.kv_cache_budget(self.device, cc)
-        block_bytes = self.kv_bytes_per_block() + extra_bytes_per_block
+        # the budget is the machine's: a block's bytes on every tensor-parallel rank
+        block_bytes = self.kv_bytes_per_block() * self.tp.size + extra_bytes_per_block
         num_blocks = min(budget // block_bytes, useful)
         if num_blocks < 2:
             raise ValueError(
@@ -158,7 +170,7 @@ class ModelRunner:
         # only count tokens for the scheduler.
         self.kv_caches = [] if m.is_encoder_only else [
             self.attn_backend.allocate_kv_cache(
-                num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype, self.device
+                num_blocks, self.block_size, self.num_kv_heads, m.head_dim, self.kv_dtype, self.device
             )
             for _ in range(m.num_layers)
         ]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.distributed.parallel_state import SINGLE, current_group
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
@@ -254,6 +255,29 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         return post_op.fn(self.apply(layer, x, bias))
 
 
+def take_rows(loaded: Any, start: int, rows: int) -> Any:
+    """Rows [start, start + rows) of a checkpoint tensor: a torch view, or for a GGUF block
+    tensor `GGUFRows` (still the file's blocks)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(0, start, rows)
+    from pagellm.model_executor.layers.quantization.gguf import GGUFRows
+
+    if isinstance(loaded, GGUFRows):  # rows of rows: counted from the tensor's first
+        return GGUFRows(loaded.source, loaded.start + start, rows)
+    return GGUFRows(loaded, start, rows)
+
+
+def take_cols(loaded: Any, start: int, cols: int) -> Any:
+    """Columns [start, start + cols) of a checkpoint tensor: a torch view, or for a GGUF
+    block tensor `GGUFCols` (whole blocks of each row: the cut must fall on a block's
+    edge)."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(1, start, cols)
+    from pagellm.model_executor.layers.quantization.gguf import GGUFCols
+
+    return GGUFCols(loaded, start, cols)
+
+
 def split_rows(loaded: Any, sizes: list[int], name: str = "") -> list[Any]:
     """A checkpoint tensor of a whole fused layer [sum(sizes), ...] cut into its parts'
     rows, in order: torch views, or for a GGUF block tensor `GGUFRows` (a block never
@@ -271,17 +295,46 @@ def split_rows(loaded: Any, sizes: list[int], name: str = "") -> list[Any]:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b) for W [out, in], kept and multiplied by `quant_method`."""
+    """y = x @ W.T (+ b) for W [out, in], kept and multiplied by `quant_method`.
+
+    Under tensor parallelism (`parallel_state.building_with`) a layer built with `parallel`
+    keeps its rank's shard, cut from the checkpoint's whole tensors as they load:
+    'column' the rank's even share of each part's output rows (q|k|v and gate|up cut per
+    part), 'row' its share of the input columns, the ranks' partial products summed
+    (the bias added once), 'vocab' its share of the rows in parts of ceil(out / size)
+    (the logits head: `compute_logits` gathers the ranks' columns). None: the whole
+    weight on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 output_sizes: list[int] | None = None) -> None:
+                 output_sizes: list[int] | None = None, parallel: str | None = None) -> None:
         super().__init__()
+        full_sizes = list(output_sizes or [out_features])
+        tp = current_group() if parallel is not None else SINGLE
+        self.tp = tp
+        """The group this layer's shard belongs to (SINGLE: the whole weight)."""
+        self.parallel = parallel if tp.size > 1 else None
+        self.full_output_sizes = full_sizes
+        self.full_in_features = in_features
+        self.row_shards = [(0, s) for s in full_sizes]
+        """Each part's (first row, rows) of the checkpoint's tensor that this rank keeps."""
+        self.col_shard = (0, in_features)
+        """The checkpoint's input columns this rank keeps."""
+        if self.parallel == "column":
+            self.row_shards = [tp.shard(s, f"{prefix or 'linear'} output rows") for s in full_sizes]
+        elif self.parallel == "vocab":
+            self.row_shards = [tp.uneven_shard(out_features)]
+        elif self.parallel == "row":
+            self.col_shard = tp.shard(in_features, f"{prefix or 'linear'} input columns")
+        elif self.parallel is not None:
+            raise ValueError(f"linear parallel must be column, row or vocab; got {parallel!r}")
+        in_features = self.col_shard[1]
         self.in_features = in_features
-        self.out_features = out_features
+        self.output_sizes = [n for _, n in self.row_shards]
+        """Rows of each part the checkpoint stores separately (one for a plain linear), as
+        this rank keeps them."""
+        self.out_features = out_features = sum(self.output_sizes)
         self.prefix = prefix
-        self.output_sizes = list(output_sizes or [out_features])
-        """Rows of each part the checkpoint stores separately (one for a plain linear)."""
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         method = quant_config.get_quant_method(self, prefix) if quant_config else None
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
@@ -290,13 +343,16 @@ class Linear(nn.Module):
 
     def weight_loader(self, param_name: str, shard: int | None, loaded: Any) -> None:
         """Checkpoint tensor `loaded` into part `shard` of `param_name` ('weight' or 'bias');
-        shard None: a tensor of the whole layer, which fills every part."""
+        shard None: a tensor of the whole layer, which fills every part. Under tensor
+        parallelism the tensor is the checkpoint's whole part, cut here to this rank's."""
         if shard is None:
             if len(self.output_sizes) > 1:
-                for i, part in enumerate(split_rows(loaded, self.output_sizes, self.prefix)):
+                for i, part in enumerate(split_rows(loaded, self.full_output_sizes, self.prefix)):
                     self.weight_loader(param_name, i, part)
                 return
             shard = 0
+        if self.parallel is not None and param_name in ("weight", "bias"):
+            loaded = self._own_shard(param_name, shard, loaded)
         if param_name == "weight":
             self.quant_method.load_weight(self, shard, loaded)
             return
@@ -308,6 +364,18 @@ class Linear(nn.Module):
             )
         with torch.no_grad():
             self.bias[start : start + size].copy_(loaded)
+
+    def _own_shard(self, param_name: str, shard: int, loaded: Any) -> Any:
+        """This rank's piece of a whole checkpoint part (checked against the whole's shape
+        first, so a wrong tensor is named as the checkpoint has it)."""
+        full = self.full_output_sizes[shard]
+        expected = (full,) if param_name == "bias" else (full, self.full_in_features)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{self.prefix or 'linear'}.{param_name} (part {shard}): expected "
+                             f"{list(expected)}, got {list(loaded.shape)}")
+        if self.parallel == "row":
+            return loaded if param_name == "bias" else take_cols(loaded, *self.col_shard)
+        return take_rows(loaded, *self.row_shards[shard])
 
     def expected_weights(self) -> list[str]:
         """Names (relative to the layer) the loader must fill: one per part and parameter."""
@@ -322,7 +390,11 @@ class Linear(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        if self.parallel != "row":
+            return self.quant_method.apply(self, x, self.bias)
+        # the ranks' partial sums over their input columns, added up; the bias once
+        y = self.quant_method.apply(self, x, self.bias if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(y)
 
     def forward_activated(self, x: torch.Tensor, post_op: PostOp) -> torch.Tensor:
         """post_op(forward(x)), fused into the product where the method can."""
@@ -354,8 +426,10 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
-        super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix, output_sizes)
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 parallel: str | None = None) -> None:
+        super().__init__(in_features, sum(output_sizes), bias, quant_config, prefix, output_sizes,
+                         parallel)
 
 
 class UnquantizedEmbeddingMethod:
@@ -384,11 +458,20 @@ class UnquantizedEmbeddingMethod:
 
 
 class Embedding(nn.Module):
-    """Token embedding table [num_embeddings, embedding_dim] kept by `quant_method`."""
+    """Token embedding table [num_embeddings, embedding_dim] kept by `quant_method`.
+
+    `vocab_parallel` under tensor parallelism (`parallel_state.building_with`): each rank
+    keeps rows [vocab_start, vocab_start + num_embeddings) of the table (parts of ceil(vocab /
+    size)), looks up the ids that fall there, zeros for the rest, and the ranks' rows are
+    summed."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 vocab_parallel: bool = False) -> None:
         super().__init__()
+        self.tp = current_group() if vocab_parallel else SINGLE
+        self.full_num_embeddings = num_embeddings
+        self.vocab_start, num_embeddings = self.tp.uneven_shard(num_embeddings)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.prefix = prefix
@@ -397,6 +480,11 @@ class Embedding(nn.Module):
         self.quant_method.create_weights(self, num_embeddings, embedding_dim)
 
     def weight_loader(self, param_name: str, shard: int, loaded: Any) -> None:
+        if self.tp.size > 1:
+            if tuple(loaded.shape) != (self.full_num_embeddings, self.embedding_dim):
+                raise ValueError(f"expected shape {(self.full_num_embeddings, self.embedding_dim)}, "
+                                 f"got {tuple(loaded.shape)}")
+            loaded = take_rows(loaded, self.vocab_start, self.num_embeddings)
         self.quant_method.load_weight(self, loaded)
 
     def expected_weights(self) -> list[str]:
@@ -406,4 +494,11 @@ class Embedding(nn.Module):
         self.quant_method.tie_head(self, head)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.embedding(self, ids)
+        if self.tp.size == 1:
+            return self.quant_method.embedding(self, ids)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.full_num_embeddings:
+            raise IndexError(f"index out of range in self (token ids must be < {self.full_num_embeddings})")
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = self.quant_method.embedding(self, local.masked_fill(outside, 0))
+        return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))

@@ -17,7 +17,19 @@ VOCAB_CHUNK = 1024
 
 
 def compute_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
-    """[N, hidden] x [vocab, hidden] -> [N, vocab] float32."""
+    """[N, hidden] x [vocab, hidden] -> [N, vocab] float32. A vocab-parallel head (tensor
+    parallelism) computes its rank's columns and gathers every rank's, in order."""
+    if lm_head.parallel == "vocab":
+        tp, vocab = lm_head.tp, lm_head.full_output_sizes[0]
+        local = _local_logits(hidden, lm_head)
+        part = -(-vocab // tp.size)  # every rank's share padded to the first's for the gather
+        if local.shape[1] < part:
+            local = torch.nn.functional.pad(local, (0, part - local.shape[1]))
+        return tp.all_gather(local)[:, :vocab].contiguous()
+    return _local_logits(hidden, lm_head)
+
+
+def _local_logits(hidden: torch.Tensor, lm_head: Linear) -> torch.Tensor:
     if (not isinstance(lm_head.quant_method, UnquantizedLinearMethod)
             or lm_head.packed_weight is not None):
         # the method's own product (for a packed float32 head: the C kernel for a few

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagellm.config.arch_config import head_dim_of, num_kv_heads_of
+from pagellm.distributed.parallel_state import building_with, current_group
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
@@ -82,18 +83,22 @@ class LlamaAttention(nn.Module):
         norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
+        # under tensor parallelism this rank's heads: q|k|v split by heads (column
+        # parallel), o_proj over this rank's heads' columns (row parallel, summed)
+        tp = current_group()
+        _, self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
+        _, self.num_kv_heads = tp.shard(num_kv_heads_of(config), "num_key_value_heads")
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+        q_full, kv_full = self.q_size * tp.size, self.kv_size * tp.size
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], opts.qkv_bias,
-            quant_config, f"{prefix}.qkv_proj",
+            config.hidden_size, [q_full, kv_full, kv_full], opts.qkv_bias,
+            quant_config, f"{prefix}.qkv_proj", parallel="column",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, opts.o_bias, quant_config,
-                             f"{prefix}.o_proj")
+        self.o_proj = Linear(q_full, config.hidden_size, opts.o_bias, quant_config,
+                             f"{prefix}.o_proj", parallel="row")
         eps = config.rms_norm_eps
         self.use_rope = attn.rope
         self.q_norm = norm_cls(self.head_dim, eps) if opts.qk_norm else None
@@ -146,10 +151,10 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias, quant_config,
-                                         f"{prefix}.gate_up_proj")
+                                         f"{prefix}.gate_up_proj", parallel="column")
         self.act_fn = get_act_and_mul(hidden_act or getattr(config, "hidden_act", "silu"))
         self.down_proj = Linear(inter, config.hidden_size, bias, quant_config,
-                                f"{prefix}.down_proj")
+                                f"{prefix}.down_proj", parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(self.gate_up_proj.forward_gated(x, self.act_fn))
@@ -214,8 +219,10 @@ class LlamaModel(nn.Module):
                  layer_cls: type[nn.Module] = LlamaDecoderLayer,
                  norm_cls: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
+        self.tp = current_group()
+        """The tensor-parallel group of the layers' shards (one rank: the whole model)."""
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, quant_config,
-                                      f"{prefix}.embed_tokens")
+                                      f"{prefix}.embed_tokens", vocab_parallel=True)
         self.rotary_emb = get_rope(config, head_dim_of(config))
         self.layers = nn.ModuleList(
             layer_cls(config, i, backend, opts, attn, quant_config, f"{prefix}.layers.{i}")
@@ -248,7 +255,9 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids)
         ropes = self.rope_tables(positions, hidden.dtype)  # once per step
         if not self._fused_checked and not torch.compiler.is_compiling():
-            self.fused_decode, self._fused_checked = FusedDecodeStack.build(self), True
+            # the one-region C stack has no place for the ranks' sums between layers
+            fused = FusedDecodeStack.build(self) if self.tp.size == 1 else None
+            self.fused_decode, self._fused_checked = fused, True
         fused = None
         if self.fused_decode is not None and not torch.compiler.is_compiling():
             fused = self.fused_decode.run(hidden, ropes)
@@ -268,6 +277,9 @@ class LlamaForCausalLM(nn.Module):
     `layer_attention_of` (per-layer facts), `model_cls` and `gguf_family`."""
 
     model_cls: type[LlamaModel] = LlamaModel
+    supports_tensor_parallel = True
+    """Whether the family's layers take a rank's shard (parallel_state); a family whose
+    layers do not (experts, Gemma's own blocks) sets False and is refused above one rank."""
     gguf_family = GGUFFamily(permuted_qk=True)
     """What llama.cpp's converter did to this family's tensors (weight_utils)."""
 
@@ -284,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, quant_config,
-                                  "lm_head")
+                                  "lm_head", parallel="vocab")
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:
@@ -324,8 +336,9 @@ class LlamaForCausalLM(nn.Module):
         not copied), so it takes the same kernels as an untied head."""
         if self.lm_head is None:
             embed = self.model.embed_tokens
-            self.lm_head = Linear(embed.embedding_dim, embed.num_embeddings, False,
-                                  self.quant_config, "lm_head")
+            with building_with(embed.tp):  # the rows of the vocabulary the table keeps
+                self.lm_head = Linear(embed.embedding_dim, embed.full_num_embeddings, False,
+                                      self.quant_config, "lm_head", parallel="vocab")
             embed.tie_head(self.lm_head)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:

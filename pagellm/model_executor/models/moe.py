@@ -117,6 +117,7 @@ class MoeModel(LlamaModel):
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     model_cls = MoeModel
     gguf_family = GGUFFamily(layer_names=_GGUF_LAYER_NAMES)  # q/k rows in HF order
+    supports_tensor_parallel = False  # the experts are not split across ranks yet
 
     @classmethod
     def layer_options(cls, config: Any) -> LayerOptions:

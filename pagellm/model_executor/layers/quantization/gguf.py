@@ -234,6 +234,42 @@ class GGUFRows:
         return np.array(self.source.dequantize()[self.start : self.start + self.rows], copy=True)
 
 
+class GGUFCols:
+    """Columns [start, start + cols) of every row of a GGUF block tensor (a GGUFTensor or
+    GGUFRows): a row-parallel linear's shard under tensor parallelism. The cut falls on
+    the type's block edges, so each row keeps whole blocks of the file; the rows are copied
+    out of the mapping (a row's kept bytes are not contiguous across rows)."""
+
+    def __init__(self, source: Any, start: int, cols: int) -> None:
+        import gguf
+
+        block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(source.qtype)]
+        if start % block or cols % block:
+            raise ValueError(f"{source.name}: columns [{start}, {start + cols}) of {source.type_name} "
+                             f"do not fall on its blocks of {block} values")
+        self.source, self.start, self.cols = source, start, cols
+        self.path, self.name = source.path, source.name
+        self.qtype, self.type_name = source.qtype, source.type_name
+        self.rows = source.shape[0]
+        self.row_bytes = cols // block * block_bytes
+        self.row_order = None
+        first = start // block * block_bytes
+        rows = source.data if source.row_order is None and source.data is not None else source.read_rows()
+        self.data = np.ascontiguousarray(rows[:, first : first + self.row_bytes])
+        """The columns of every row, an owned copy (file row order undone already)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def read_rows(self) -> np.ndarray:
+        return self.data
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols]."""
+        return np.array(self.source.dequantize()[:, self.start : self.start + self.cols], copy=True)
+
+
 def _whole_source(members: list[Any]) -> np.ndarray | None:
     """The mapping's rows of `members` where they are consecutive row ranges of one
     tensor in file order (a layer the file stores fused), else None."""
