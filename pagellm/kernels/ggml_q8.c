@@ -339,10 +339,12 @@ static float dot_q6_k(const uint8_t *row, int64_t groups, const int8_t *qx, cons
 }
 
 /* Q8_0 in chunks of 8 blocks: the chunk's 8 scales read into one vector, times x's 8
- * scales, and spread over a block's lanes by a permute; the weights shifted by 128 to
- * unsigned values, the shift taken back through the sums of x. The blocks after the last
- * whole chunk take dot_q8_0. (The same shape for Q4_0 / Q4_1 measured slower than their
- * per-block kernels here: 7-8 against 9-10 GB/s on one core.) */
+ * scales, and spread over a block's lanes by a permute. With AVX-VNNI the weights are
+ * shifted by 128 to unsigned values, the shift taken back through the sums of x; without
+ * it maddubs would saturate on those (255 x 127 twice passes int16), so |w| multiplies x
+ * carrying w's sign, as in dot_q8_0. The blocks after the last whole chunk take dot_q8_0.
+ * (The same shape for Q4_0 / Q4_1 measured slower than their per-block kernels here: 7-8
+ * against 9-10 GB/s on one core.) */
 static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, const float *dx,
                         const int32_t *sx) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
@@ -357,11 +359,19 @@ static float dot_q8_0x8(const uint8_t *row, int64_t groups, const int8_t *qx, co
         const __m256 S = _mm256_mul_ps(
             _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(d16), _mm256_extracti128_si256(d16, 1))),
             _mm256_loadu_ps(dx + g0));
+#ifdef __AVXVNNI__
         off = _mm256_fmadd_ps(_mm256_mul_ps(S, _mm256_set1_ps(-128.0f)), sums32_avx2(sx + 2 * g0), off);
+#endif
         for (int p = 0; p < 8; p++) {
+#ifdef __AVXVNNI__
             const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + p * 34 + 2)),
                                                _mm256_set1_epi8((char)0x80));
             const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + 32 * (g0 + p)));
+#else
+            const __m256i ws = _mm256_loadu_si256((const __m256i *)(c + p * 34 + 2));
+            const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + 32 * (g0 + p))), ws);
+            const __m256i w = _mm256_sign_epi8(ws, ws);
+#endif
             const __m256 dot = _mm256_cvtepi32_ps(udot(w, x));
             const __m256 scale = _mm256_permutevar8x32_ps(S, _mm256_set1_epi32(p));
             if (p & 1) acc1 = _mm256_fmadd_ps(dot, scale, acc1);
