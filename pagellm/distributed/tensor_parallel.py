@@ -21,6 +21,7 @@ engine core (parent-death signal, and a broken collective).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import secrets
@@ -36,7 +37,12 @@ import torch
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.distributed.parallel_state import TensorParallelGroup, init_tensor_parallel_group
+from pagellm.distributed.parallel_state import (
+    ShmChannel,
+    TensorParallelGroup,
+    init_tensor_parallel_group,
+)
+from pagellm.kernels import load_kernels
 from pagellm.logger import init_logger
 from pagellm.outputs import ModelRunnerOutput
 from pagellm.scheduler_output import SchedulerOutput
@@ -65,6 +71,9 @@ class TensorParallelRunner:
         size = config.parallel_config.tensor_parallel_size
         self._tmpdir = tempfile.mkdtemp(prefix="pagellm-tp-")
         store = os.path.join(self._tmpdir, "store")
+        self._shm_path = shm_segment_path() if load_kernels() is not None else ""
+        if self._shm_path:
+            ShmChannel.create(self._shm_path, size)
         # every rank's sampler draws from the same global generator (unseeded requests)
         seed = config.model_config.seed if config.model_config.seed is not None else secrets.randbits(62)
         torch.manual_seed(seed)
@@ -72,13 +81,15 @@ class TensorParallelRunner:
         for rank in range(1, size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pagellm.distributed.tensor_parallel", "--rank", str(rank),
-                 "--size", str(size), "--store", store, "--parent-pid", str(os.getpid())],
+                 "--size", str(size), "--store", store, "--shm", self._shm_path,
+                 "--parent-pid", str(os.getpid())],
                 stdin=subprocess.PIPE, env=envs.compute_env(), start_new_session=True)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps((config, seed)))  # process bootstrap, never the wire
             proc.stdin.close()
             self.procs[rank] = proc
         self.group = self._join(size, store)
+        self._unlink_segment()  # every rank has it mapped: nothing is left behind on a crash
         self.runner = ModelRunner(config, self.group)
         self._closed = False
         logger.info("Tensor parallel: %d ranks (rank 0 here, ranks 1..%d pids %s)", size, size - 1,
@@ -87,9 +98,9 @@ class TensorParallelRunner:
     def _join(self, size: int, store: str) -> TensorParallelGroup:
         """Joins the group, failing fast with the cause if a rank exits before it joins."""
         result: list[Any] = []
-        joiner = threading.Thread(target=lambda: result.append(_try(init_tensor_parallel_group, 0, size,
-                                                                     store, JOIN_TIMEOUT_S)),
-                                  daemon=True)
+        joiner = threading.Thread(target=lambda: result.append(_try(
+            init_tensor_parallel_group, 0, size, store, JOIN_TIMEOUT_S, self._shm_path or None,
+            self._check_ranks)), daemon=True)
         joiner.start()
         while joiner.is_alive():
             joiner.join(0.1)
@@ -103,6 +114,17 @@ class TensorParallelRunner:
             self.shutdown()
             raise RuntimeError(f"tensor parallel group of {size} ranks did not form: {outcome}") from outcome
         return outcome
+
+    def _check_ranks(self) -> None:
+        """Raises if another rank's process has ended (called while a collective waits)."""
+        dead = self._dead_rank()
+        if dead is not None:
+            raise RuntimeError(f"tensor parallel rank {dead} {self._exit_cause(dead)}")
+
+    def _unlink_segment(self) -> None:
+        if self._shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._shm_path)
 
     def _dead_rank(self) -> int | None:
         return next((rank for rank, p in self.procs.items() if p.poll() is not None), None)
@@ -120,7 +142,7 @@ class TensorParallelRunner:
         except RuntimeError as e:  # a collective broken by a rank that died
             time.sleep(0.2)  # its exit status, where it is exiting
             dead = self._dead_rank()
-            if dead is None:
+            if dead is None or str(e).startswith(f"tensor parallel rank {dead} "):
                 raise
             raise RuntimeError(f"tensor parallel rank {dead} {self._exit_cause(dead)}: {e}") from e
 
@@ -160,6 +182,7 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._unlink_segment()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
@@ -170,7 +193,13 @@ def _try(fn: Any, *args: Any) -> Any:
         return e
 
 
-def serve_rank(config: EngineConfig, seed: int, rank: int, size: int, store: str) -> None:
+def shm_segment_path() -> str:
+    """A new name for the ranks' shared segment: in /dev/shm where there is one."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(where, f"pagellm-tp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def serve_rank(config: EngineConfig, seed: int, rank: int, size: int, store: str, shm: str) -> None:
     """Ranks 1..N-1: joins the group, then runs each call rank 0 broadcasts until told to
     stop."""
     from pagellm.core.engine_core import _confirm_quantization, _set_num_threads
@@ -180,7 +209,7 @@ def serve_rank(config: EngineConfig, seed: int, rank: int, size: int, store: str
         os.sched_setaffinity(0, cores)
     _set_num_threads(config)
     torch.manual_seed(seed)
-    group = init_tensor_parallel_group(rank, size, store, JOIN_TIMEOUT_S)
+    group = init_tensor_parallel_group(rank, size, store, JOIN_TIMEOUT_S, shm or None)
     runner = ModelRunner(_confirm_quantization(config), group)
     mine = None
     while True:
@@ -202,13 +231,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--store", required=True)
+    parser.add_argument("--shm", default="", help="the ranks' shared segment ('': gloo only)")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
     _set_parent_death_signal()
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     config, seed = pickle.loads(sys.stdin.buffer.read())
     try:
-        serve_rank(config, seed, args.rank, args.size, args.store)
+        serve_rank(config, seed, args.rank, args.size, args.store, args.shm)
     except Exception:
         logger.exception("tensor parallel rank %d failed", args.rank)
         sys.stdout.flush()

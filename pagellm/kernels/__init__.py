@@ -26,6 +26,8 @@ the system's C compiler at first use and cached under
   the kernels above (models/fused_decode.py), all in one OpenMP region
 - `team.c`: the barrier that region's threads meet at between kernels (team.h: how a
   kernel is written as a share of a team's work)
+- `shm_collectives.c`: the all-reduce, gather and broadcast of tensor-parallel ranks on
+  one machine through shared memory (distributed/parallel_state.py)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
 build fails (logged once); callers then take their torch paths (GGUF files are
@@ -228,6 +230,12 @@ def load_kernels(simd: bool = True) -> ctypes.CDLL | None:
     lib.pg_apply_penalties.restype = ctypes.c_int
     lib.pg_logprobs_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
     lib.pg_logprobs_rows.restype = ctypes.c_int
+    lib.pg_shm_post.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    lib.pg_shm_post.restype = None
+    lib.pg_shm_wait.argtypes = [ptr, i64, i64, i64]
+    lib.pg_shm_wait.restype = ctypes.c_int
+    lib.pg_shm_sum_f32.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.pg_shm_sum_f32.restype = None
     lib.pg_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
     lib.pg_decode_layers.restype = ctypes.c_int
     lib.pg_struct_layout.argtypes = [i64, ptr, i64, ctypes.POINTER(ctypes.c_char_p)]

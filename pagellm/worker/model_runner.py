@@ -242,11 +242,14 @@ class ModelRunner:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             if self.pooler is not None:
                 self.pooler.drop(req_id)
-        for req_id in sched.finished_req_ids:
+        # in sorted order, not the sets' (which follows each process's string hashing): the
+        # freed rows are handed out again in the order they were freed, and every tensor-
+        # parallel rank must put each request in the same row
+        for req_id in sorted(sched.finished_req_ids):
             batch.remove_request(req_id)
             self._parked_generators.pop(req_id, None)
             self._prompt_logprobs_end.pop(req_id, None)
-        for req_id in sched.preempted_req_ids:
+        for req_id in sorted(sched.preempted_req_ids):
             state = batch.states.get(req_id)
             if state is not None and state.generator is not None:
                 self._parked_generators[req_id] = state.generator
