@@ -175,3 +175,51 @@ def test_shards_of_a_group() -> None:
         TensorParallelGroup(0, 2).shard(9, "heads")
     with pytest.raises(ValueError, match="tensor parallel rank 2 is outside 0..1"):
         TensorParallelGroup(2, 2)
+
+
+_RANK1 = """
+import sys, torch
+from pagellm.distributed.parallel_state import init_tensor_parallel_group
+from tests.distributed.test_tensor_parallel import collective_steps
+collective_steps(init_tensor_parallel_group(1, 2, sys.argv[1], 60, sys.argv[2]))
+"""
+
+
+def collective_steps(group: TensorParallelGroup) -> None:
+    """The same collectives on each rank, each larger than a slot of the shared segment
+    (so in chunks), checked exactly: a sum, a gather, a broadcast; bfloat16 through gloo."""
+    import torch
+
+    from pagellm.distributed.parallel_state import SHM_SLOT_BYTES
+
+    n = 2 * SHM_SLOT_BYTES // 4 + 5  # three chunks
+    x = torch.arange(n, dtype=torch.float32) * (group.rank + 1)
+    assert torch.equal(group.all_reduce(x), torch.arange(n, dtype=torch.float32) * 3)
+    rows = torch.full((5, 300_000), float(group.rank))  # 6 MB: rows in chunks of 3
+    gathered = group.all_gather(rows)
+    assert gathered.shape == (5, 600_000)
+    assert torch.equal(gathered[:, :300_000], torch.zeros(5, 300_000))
+    assert torch.equal(gathered[:, 300_000:], torch.ones(5, 300_000))
+    payload = bytes(range(256)) * (9 * 4096)  # 9 MB
+    assert group.broadcast_object(payload if group.rank == 0 else None) == payload
+    half = torch.full((7,), 1.5, dtype=torch.bfloat16)
+    assert torch.equal(group.all_reduce(half), torch.full((7,), 3.0, dtype=torch.bfloat16))
+
+
+def test_shared_memory_collectives_between_processes(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from pagellm.distributed.parallel_state import ShmChannel, init_tensor_parallel_group
+
+    store, segment = str(tmp_path / "store"), str(tmp_path / "segment")
+    ShmChannel.create(segment, 2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rank1 = subprocess.Popen([sys.executable, "-c", _RANK1, store, segment], cwd=root)
+    try:
+        group = init_tensor_parallel_group(0, 2, store, 60, segment)
+        assert group.shm is not None
+        collective_steps(group)
+        assert rank1.wait(timeout=60) == 0
+    finally:
+        rank1.kill()
