@@ -1,2 +1,3 @@
-"""Beyond one machine: how engine cores on other nodes are started and supervised
-(--headless nodes today; Ray and tensor parallelism are not built yet)."""
+"""Beyond one process: engine cores on other nodes (--headless nodes, headless.py; Ray
+actors, ray_engines.py) and one model split across processes of one machine (tensor
+parallelism: tensor_parallel.py, its groups and collectives in parallel_state.py)."""

@@ -527,6 +527,9 @@ class EngineArgs:
             if n % size:
                 raise ValueError(f"{where}: the model's {name} ({n}) does not divide into {size} "
                                  "equal shards.")
+        if self.data_parallel_backend == "ray":
+            raise ValueError(f"{where}: not with --data-parallel-backend ray yet (a Ray actor would start "
+                             "its ranks outside Ray's placement); use the 'mp' backend.")
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             raise ValueError(f"{where}: a draft model (speculative_config.model) is not supported with "
                              "tensor parallelism; use the ngram method.")

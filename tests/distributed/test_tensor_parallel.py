@@ -59,6 +59,8 @@ def _logprob_gap(one: list[Any], two: list[Any]) -> float:
     ("qwen3", {}),  # per-head q/k norms
     ("gemma3", {}),  # sliding and global layers, Gemma's extra norms
     ("phi3", {}),  # fused qkv / gate_up tensors cut into their parts, then into shards
+    ("gemma2", {}),  # score caps, the final logits' cap after the gather
+    ("smollm3", {}),  # a layer without rope
 ])
 def test_two_ranks_match_one_on_float_weights(family: str, overrides: dict, tiny_model: Callable[..., str]) -> None:
     model = tiny_model(family, **overrides)
@@ -137,6 +139,7 @@ def test_shutdown_stops_every_rank(tiny_model: Callable[..., str]) -> None:
     ({"tensor_parallel_size": 3}, "num_attention_heads (4) does not divide into 3 equal shards"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
     ({"tensor_parallel_size": 2, "device": "cuda"}, "tensor parallelism runs on CPU (gloo)"),
+    ({"tensor_parallel_size": 2, "data_parallel_backend": "ray"}, "not with --data-parallel-backend ray yet"),
     ({"tensor_parallel_size": 2, "speculative_config": {"model": "DRAFT", "num_speculative_tokens": 2}},
      "a draft model (speculative_config.model) is not supported with tensor parallelism"),
 ])
