@@ -226,3 +226,46 @@ def test_shared_memory_collectives_between_processes(tmp_path: Any) -> None:
         assert rank1.wait(timeout=60) == 0
     finally:
         rank1.kill()
+
+
+def test_a_server_restarts_an_engine_whose_rank_died(tiny_model: Callable[..., str]) -> None:
+    """`pagellm serve -tp 2 --restart-engine-on-failure`: rank 1 killed under load fails the
+    engine's streams with the 503 event within 2 s, and a new engine core (with a new rank
+    1) serves within 30 s; the old engine core is gone."""
+    import asyncio
+
+    import httpx
+
+    from tests.entrypoints.openai.conftest import ServerProcess
+    from tests.entrypoints.openai.test_engine_restart import (
+        BODY,
+        _auth,
+        _engine_pids,
+        _kill_under_load,
+        _wait_healthy,
+    )
+
+    model = tiny_model("llama", max_position_embeddings=2048)
+    srv = ServerProcess("--model", model, "--max-model-len", "2048", "-tp", "2", "--restart-engine-on-failure")
+    try:
+        (core,) = _engine_pids(srv).values()
+        (rank1,) = psutil.Process(core).children()
+        results, killed_at = _kill_under_load(srv, rank1.pid, streams=3, max_tokens=2000, timeout=60)
+        for res in results:
+            assert res["done"] and res["error"]["code"] == 503
+            assert res["error_at"] - killed_at < 2
+        _wait_healthy(srv, within=30)
+        (new_core,) = _engine_pids(srv).values()
+        assert new_core != core
+        assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE
+        assert len(psutil.Process(new_core).children()) == 1
+
+        async def later() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, headers=_auth(srv), timeout=60) as client:
+                return await asyncio.gather(*[client.post("/v1/completions", json=BODY) for _ in range(4)])
+
+        for r in asyncio.run(later()):
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
