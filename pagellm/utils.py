@@ -58,3 +58,16 @@ class Progress:
 
 PROGRESS = Progress()
 """This process's one Progress."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    """A process's end in words (an engine core's, a tensor-parallel rank's): 'killed by
+    SIGKILL', 'exited with code 1'."""
+    import signal
+
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"

@@ -230,7 +230,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Processes that each hold a shard of the model (heads, MLP columns, vocabulary) and
     run every step together over gloo: the engine core is rank 0 and starts the others on
-    its machine (pagellm/distributed/tensor_parallel.py)."""
+    its machine (pagellm/core/tensor_parallel.py)."""
 
     @property
     def local_ranks(self) -> range:

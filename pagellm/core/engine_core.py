@@ -70,7 +70,7 @@ class EngineCore:
         self.fingerprint = config.fingerprint()  # as asked for: the head compares flags, not kernels
         config = _confirm_quantization(config)
         if config.parallel_config.tensor_parallel_size > 1:
-            from pagellm.distributed.tensor_parallel import TensorParallelRunner
+            from pagellm.core.tensor_parallel import TensorParallelRunner
 
             self.model_runner: ModelRunner | TensorParallelRunner = TensorParallelRunner(config)
         else:

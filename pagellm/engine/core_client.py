@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import pickle
 import queue
-import signal
 import subprocess
 import tempfile
 import threading
@@ -59,6 +58,7 @@ from pagellm.engine.handshake import (
 )
 from pagellm.engine.prestart import claim_prestarted, launch_engine_process, stop_engine_processes
 from pagellm.logger import init_logger
+from pagellm.utils import describe_exit  # noqa: F401  (headless.py and tests import it from here)
 
 logger = init_logger(__name__)
 
@@ -225,16 +225,6 @@ def exit_cause(proc: Any) -> str:
     """How an engine core ended, in words: a process's exit status, or what a Ray actor
     (RayEngineProcess) says of its end."""
     return getattr(proc, "exit_cause", None) or describe_exit(proc.returncode)
-
-
-def describe_exit(returncode: int | None) -> str:
-    """An engine process's end in words: 'killed by SIGKILL', 'exited with code 1'."""
-    if returncode is not None and returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with code {returncode}"
 
 
 class HangWatch:

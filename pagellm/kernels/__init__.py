@@ -27,7 +27,7 @@ the system's C compiler at first use and cached under
 - `team.c`: the barrier that region's threads meet at between kernels (team.h: how a
   kernel is written as a share of a team's work)
 - `shm_collectives.c`: the all-reduce, gather and broadcast of tensor-parallel ranks on
-  one machine through shared memory (distributed/parallel_state.py)
+  one machine through shared memory (model_executor/parallel_state.py)
 
 `load_kernels()` returns the loaded library, or None where no compiler is found or the
 build fails (logged once); callers then take their torch paths (GGUF files are

@@ -25,9 +25,9 @@ from pagellm.attention.backend import (
     set_forward_context,
 )
 from pagellm.config import EngineConfig
-from pagellm.distributed.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.logger import init_logger
 from pagellm.model_executor.layers.pooler import Pooler
+from pagellm.model_executor.parallel_state import SINGLE, TensorParallelGroup, building_with
 from pagellm.outputs import LogprobsLists, ModelRunnerOutput
 from pagellm.platforms import platform_of
 from pagellm.sample.metadata import SamplingMetadata

@@ -1,4 +1,4 @@
-"""Tensor parallelism (pagellm/distributed/tensor_parallel.py): two ranks as two real
+"""Tensor parallelism (pagellm/core/tensor_parallel.py): two ranks as two real
 processes in a gloo group, the engine core in its own process (the default LLM), against
 one rank on the same model. On the exact paths (float32 weights and activations; GGUF
 blocks with float32 activations) every logprob the engine returns, prompt and sampled,
@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.distributed.parallel_state import TensorParallelGroup
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.exceptions import EngineDeadError, EngineStartupError
+from pagellm.model_executor.parallel_state import TensorParallelGroup
 from tests.utils import token_ids
 
 PROMPTS = [token_ids(n, offset) for n, offset in ((23, 13), (7, 17), (40, 29))]
@@ -113,7 +113,7 @@ def test_a_dead_rank_fails_the_engine_fast_and_leaves_no_process(tiny_model: Cal
     llm = LLM(tiny_model("llama"), tensor_parallel_size=2, max_model_len=128, dtype="float32")
     (core_pid,) = llm.llm_engine.engine_core.engine_pids
     (rank1,) = psutil.Process(core_pid).children()
-    assert "pagellm.distributed.tensor_parallel" in rank1.cmdline()
+    assert "pagellm.core.tensor_parallel" in rank1.cmdline()
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     os.kill(rank1.pid, signal.SIGKILL)
@@ -182,7 +182,7 @@ def test_shards_of_a_group() -> None:
 
 _RANK1 = """
 import sys, torch
-from pagellm.distributed.parallel_state import init_tensor_parallel_group
+from pagellm.model_executor.parallel_state import init_tensor_parallel_group
 from tests.distributed.test_tensor_parallel import collective_steps
 collective_steps(init_tensor_parallel_group(1, 2, sys.argv[1], 60, sys.argv[2]))
 """
@@ -193,7 +193,7 @@ def collective_steps(group: TensorParallelGroup) -> None:
     (so in chunks), checked exactly: a sum, a gather, a broadcast; bfloat16 through gloo."""
     import torch
 
-    from pagellm.distributed.parallel_state import SHM_SLOT_BYTES
+    from pagellm.model_executor.parallel_state import SHM_SLOT_BYTES
 
     n = 2 * SHM_SLOT_BYTES // 4 + 5  # three chunks
     x = torch.arange(n, dtype=torch.float32) * (group.rank + 1)
@@ -213,7 +213,7 @@ def test_shared_memory_collectives_between_processes(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    from pagellm.distributed.parallel_state import ShmChannel, init_tensor_parallel_group
+    from pagellm.model_executor.parallel_state import ShmChannel, init_tensor_parallel_group
 
     store, segment = str(tmp_path / "store"), str(tmp_path / "segment")
     ShmChannel.create(segment, 2)

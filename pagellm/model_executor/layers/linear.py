@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.distributed.parallel_state import SINGLE, current_group
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
+from pagellm.model_executor.parallel_state import SINGLE, current_group
 from pagellm.platforms import kernels_for
 
 KERNEL_MAX_ROWS = 8

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from pagellm.config.arch_config import head_dim_of, num_kv_heads_of
-from pagellm.distributed.parallel_state import building_with, current_group
 from pagellm.model_executor.layers.activation import get_act_and_mul
 from pagellm.model_executor.layers.attention import Attention
 from pagellm.model_executor.layers.layernorm import RMSNorm
@@ -29,6 +28,7 @@ from pagellm.model_executor.layers.logits import compute_logits
 from pagellm.model_executor.layers.quantization import QuantizationConfig
 from pagellm.model_executor.layers.rotary_embedding import RopeTables, RotaryEmbedding, get_rope
 from pagellm.model_executor.models.fused_decode import FusedDecodeStack, FusedLayer
+from pagellm.model_executor.parallel_state import building_with, current_group
 from pagellm.model_executor.weight_utils import GGUFFamily
 from pagellm.utils import PROGRESS
 

@@ -2,7 +2,7 @@
 
 The engine core is rank 0. `TensorParallelRunner` stands where its ModelRunner would: it
 starts ranks 1..N-1 as processes of this machine (`python -m
-pagellm.distributed.tensor_parallel`, each handed the EngineConfig on its stdin as engine
+pagellm.core.tensor_parallel`, each handed the EngineConfig on its stdin as engine
 cores are), joins them in a gloo group over a file store in a temporary directory, and
 then makes every ModelRunner call on all ranks: rank 0 broadcasts the call (a scheduler
 output each step), each rank runs it on its shard (parallel_state: heads, MLP columns,
@@ -37,15 +37,16 @@ import torch
 
 from pagellm import envs
 from pagellm.config import EngineConfig
-from pagellm.distributed.parallel_state import (
+from pagellm.kernels import load_kernels
+from pagellm.logger import init_logger
+from pagellm.model_executor.parallel_state import (
     ShmChannel,
     TensorParallelGroup,
     init_tensor_parallel_group,
 )
-from pagellm.kernels import load_kernels
-from pagellm.logger import init_logger
 from pagellm.outputs import ModelRunnerOutput
 from pagellm.scheduler_output import SchedulerOutput
+from pagellm.utils import describe_exit
 from pagellm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -69,6 +70,9 @@ class TensorParallelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel_config.tensor_parallel_size
+        self._closed = False
+        self._last_sampled: list[list[int]] | None = None
+        """Rank 0's tokens of the step before, which the next call carries to the others."""
         self._tmpdir = tempfile.mkdtemp(prefix="pagellm-tp-")
         store = os.path.join(self._tmpdir, "store")
         self._shm_path = shm_segment_path() if load_kernels() is not None else ""
@@ -80,7 +84,7 @@ class TensorParallelRunner:
         self.procs: dict[int, subprocess.Popen] = {}
         for rank in range(1, size):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pagellm.distributed.tensor_parallel", "--rank", str(rank),
+                [sys.executable, "-m", "pagellm.core.tensor_parallel", "--rank", str(rank),
                  "--size", str(size), "--store", store, "--shm", self._shm_path,
                  "--parent-pid", str(os.getpid())],
                 stdin=subprocess.PIPE, env=envs.compute_env(), start_new_session=True)
@@ -91,7 +95,6 @@ class TensorParallelRunner:
         self.group = self._join(size, store)
         self._unlink_segment()  # every rank has it mapped: nothing is left behind on a crash
         self.runner = ModelRunner(config, self.group)
-        self._closed = False
         logger.info("Tensor parallel: %d ranks (rank 0 here, ranks 1..%d pids %s)", size, size - 1,
                     ", ".join(str(p.pid) for p in self.procs.values()))
 
@@ -130,8 +133,6 @@ class TensorParallelRunner:
         return next((rank for rank, p in self.procs.items() if p.poll() is not None), None)
 
     def _exit_cause(self, rank: int) -> str:
-        from pagellm.engine.core_client import describe_exit
-
         return describe_exit(self.procs[rank].returncode)
 
     def _call(self, name: str, *args: Any, check: Any = None) -> Any:
@@ -161,13 +162,13 @@ class TensorParallelRunner:
         self._call("initialize_kv_cache", num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        out = self._call("execute_model", sched, check=getattr(self, "_last_sampled", None))
-        self._last_sampled = out.sampled_token_ids
+        out = self._call("execute_model", sched, check=self._last_sampled)
+        self._last_sampled = [list(t) for t in out.sampled_token_ids]  # as sampled: the scheduler may trim
         return out
 
     def shutdown(self) -> None:
         """Stops the other ranks (asked, then killed after 5 s) and removes the store."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         if hasattr(self, "group") and self._dead_rank() is None:
