@@ -93,7 +93,10 @@ class TensorParallelRunner:
             proc.stdin.close()
             self.procs[rank] = proc
         self.group = self._join(size, store)
-        self._unlink_segment()  # every rank has it mapped: nothing is left behind on a crash
+        # every rank has the segment mapped and gloo's connections made: nothing is left
+        # behind on a crash
+        self._unlink_segment()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
         self.runner = ModelRunner(config, self.group)
         logger.info("Tensor parallel: %d ranks (rank 0 here, ranks 1..%d pids %s)", size, size - 1,
                     ", ".join(str(p.pid) for p in self.procs.values()))

@@ -88,6 +88,24 @@ def test_two_ranks_match_one_on_gguf_blocks(tp_gguf: str, activations: str, boun
     assert _logprob_gap(one, two) < bound
 
 
+def test_bfloat16_activations_sum_through_gloo(tiny_model: Callable[..., str]) -> None:
+    """bfloat16 activations are summed by gloo (the shared segment carries float32): the
+    prompt's logprobs (the same tokens read in both runs) within bfloat16's rounding of one
+    rank's."""
+    model = tiny_model("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(model, tensor_parallel_size=tp, dtype="bfloat16", max_model_len=128, multiprocess_mode=tp > 1)
+        try:
+            outs.append(llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0])
+        finally:
+            llm.shutdown()
+    one, two = ([next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs)
+    assert len(one) == len(two) == len(PROMPTS[2]) - 1
+    assert max(abs(a - b) / max(1.0, abs(a)) for a, b in zip(one, two)) < 0.05
+
+
 def test_unseeded_sampling_stays_in_step(tiny_model: Callable[..., str]) -> None:
     """Random draws with no seed: every rank samples the same tokens (a rank that drew
     others would stop the engine: 'the ranks' sequences differ'); with a seed, the same
