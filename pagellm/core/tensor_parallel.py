@@ -3,8 +3,9 @@
 The engine core is rank 0. `TensorParallelRunner` stands where its ModelRunner would: it
 starts ranks 1..N-1 as processes of this machine (`python -m
 pagellm.core.tensor_parallel`, each handed the EngineConfig on its stdin as engine
-cores are), joins them in a gloo group over a file store in a temporary directory, and
-then makes every ModelRunner call on all ranks: rank 0 broadcasts the call (a scheduler
+cores are), joins them in a gloo group over a file store in a temporary directory and
+in a shared-memory segment (parallel_state.ShmChannel; both are unlinked once the group
+stands), and then makes every ModelRunner call on all ranks: rank 0 broadcasts the call (a scheduler
 output each step), each rank runs it on its shard (parallel_state: heads, MLP columns,
 vocabulary), and the layers' sums and the logits' gather happen inside the forward. The
 scheduler, the KV-cache manager and the client see one runner.
