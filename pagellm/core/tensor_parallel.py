@@ -76,7 +76,7 @@ class TensorParallelRunner:
         """Rank 0's tokens of the step before, which the next call carries to the others."""
         self._tmpdir = tempfile.mkdtemp(prefix="pagellm-tp-")
         store = os.path.join(self._tmpdir, "store")
-        self._shm_path = shm_segment_path() if load_kernels() is not None else ""
+        self._shm_path = shm_segment_path(size) if load_kernels() is not None else ""
         if self._shm_path:
             ShmChannel.create(self._shm_path, size)
         # every rank's sampler draws from the same global generator (unseeded requests)
@@ -198,9 +198,16 @@ def _try(fn: Any, *args: Any) -> Any:
         return e
 
 
-def shm_segment_path() -> str:
-    """A new name for the ranks' shared segment: in /dev/shm where there is one."""
-    where = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+def shm_segment_path(size: int) -> str:
+    """A new name for the ranks' shared segment: in /dev/shm where it has room for it (a
+    container's is often 64 MB, and a write past a full tmpfs is a SIGBUS), else in the
+    temporary directory (a file both map: the page cache shares it just the same)."""
+    need = ShmChannel.segment_bytes(size)
+    where = tempfile.gettempdir()
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= 2 * need:
+            where = "/dev/shm"
     return os.path.join(where, f"pagellm-tp-{os.getpid()}-{secrets.token_hex(4)}")
 
 

@@ -39,11 +39,16 @@ class ShmChannel:
     unlinked once all have."""
 
     @staticmethod
+    def segment_bytes(size: int) -> int:
+        """The segment's bytes for `size` ranks."""
+        return 64 * size + 2 * size * SHM_SLOT_BYTES
+
+    @staticmethod
     def create(path: str, size: int) -> None:
         """Makes the segment's file for `size` ranks (zeros: no flag raised yet)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, 64 * size + 2 * size * SHM_SLOT_BYTES)
+            os.ftruncate(fd, ShmChannel.segment_bytes(size))
         finally:
             os.close(fd)
 
@@ -60,7 +65,7 @@ class ShmChannel:
         self.header = 64 * size
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, self.header + 2 * size * SHM_SLOT_BYTES)
+            self._map = mmap.mmap(fd, self.segment_bytes(size))
         finally:
             os.close(fd)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
