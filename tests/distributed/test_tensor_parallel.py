@@ -287,3 +287,27 @@ def test_a_server_restarts_an_engine_whose_rank_died(tiny_model: Callable[..., s
     finally:
         srv.stop()
     assert srv.proc.returncode == 0
+
+
+def test_the_segment_goes_where_it_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm when it holds twice the segment, else the temporary directory (a full
+    tmpfs would kill a rank with SIGBUS at its first write)."""
+    import tempfile
+
+    from pagellm.core.tensor_parallel import shm_segment_path
+    from pagellm.model_executor.parallel_state import ShmChannel
+
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("this machine has no writable /dev/shm")
+    need = ShmChannel.segment_bytes(2)
+
+    class Fs:
+        f_frsize = 4096
+
+        def __init__(self, free: int) -> None:
+            self.f_bavail = free // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs(2 * need + 4096))
+    assert os.path.dirname(shm_segment_path(2)) == "/dev/shm"
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs(need))
+    assert os.path.dirname(shm_segment_path(2)) == tempfile.gettempdir()
