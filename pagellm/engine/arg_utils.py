@@ -160,8 +160,9 @@ class EngineArgs:
     every step runs on all of them, summed after each attention and MLP block. The engine
     core is rank 0 and starts the others on its machine, and each takes its share of the
     CPU cores. For a model that needs more memory bandwidth than one socket has (ranks on
-    separate NUMA nodes); on one socket it is slower than one process (one sum per block
-    per step). Llama-family models (Llama, Mistral, Qwen2/3, SmolLM3, Phi-3)."""
+    separate NUMA nodes); on one socket it is no faster than one process (two sums a layer
+    a step). Llama, Mistral, Qwen2/3, SmolLM3, Phi-3 and Gemma 2/3; not mixture-of-experts
+    models."""
     quantization: str | None = None
     """How weights are kept and multiplied. Default: detected from the checkpoint ('gguf' for a .gguf file: its quantized blocks stay quantized in memory and CPU kernels multiply them). 'gguf' asks for that; 'none' dequantizes a GGUF file to float32 at load (today's float path: more memory, exact same values)."""
     gguf_activations: str = ModelConfig.gguf_activations
@@ -517,9 +518,10 @@ class EngineArgs:
             raise ValueError(f"{where}: tensor parallelism runs on CPU (gloo); use device='cpu' "
                              "or tensor_parallel_size=1.")
         arch = model_config.architecture
-        if not getattr(ModelRegistry.resolve_model_cls(arch), "supports_tensor_parallel", False):
-            raise ValueError(f"{where}: {arch} does not split across ranks yet (Llama, Mistral, Qwen2, "
-                             "Qwen3, SmolLM3 and Phi-3 do); use tensor_parallel_size=1 or data_parallel_size.")
+        if not _splits(arch):
+            splitting = ", ".join(a for a in ModelRegistry.get_supported_archs() if _splits(a))
+            raise ValueError(f"{where}: {arch} does not split across ranks yet ({splitting} do); use "
+                             "tensor_parallel_size=1 or data_parallel_size.")
         hf = model_config.hf_config
         for name, n in (("num_attention_heads", hf.num_attention_heads),
                         ("num_key_value_heads", model_config.num_kv_heads),
@@ -741,3 +743,10 @@ def get_attr_docs(cls: type) -> dict[str, str]:
             docs[prev.target.id] = inspect.cleandoc(node.value.value)
     return docs
 AsyncEngineArgs = EngineArgs
+
+
+def _splits(arch: str) -> bool:
+    """Whether the family's layers take a tensor-parallel rank's shard."""
+    from pagellm.model_executor import ModelRegistry
+
+    return bool(getattr(ModelRegistry.resolve_model_cls(arch), "supports_tensor_parallel", False))

@@ -97,11 +97,12 @@ class ShmChannel:
             self.lib.pg_shm_sum_f32(buf, step, self.size, count, ptr)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x [rows, n] (float32, contiguous) side by side: [rows, size * n]."""
+        """Every rank's x [rows, n] (float32, contiguous, a row no larger than a slot)
+        side by side: [rows, size * n]."""
         rows, n = x.shape
         out = torch.empty(rows, self.size * n, dtype=torch.float32)
         view = out.numpy()
-        step = max(1, SHM_SLOT_BYTES // (4 * n))
+        step = SHM_SLOT_BYTES // (4 * n)
         for start in range(0, rows, step):
             count = min(step, rows - start)
             buf = self._exchange(x.data_ptr() + 4 * start * n, 4 * count * n)
@@ -127,13 +128,6 @@ class ShmChannel:
                 parts.append(self._slot(buf, 0, count, np.dtype(np.uint8)).tobytes())
             offset += count
         return payload if src is not None else b"".join(parts)[8:]
-
-    def close(self) -> None:
-        self._bytes = None  # type: ignore[assignment]
-        try:
-            self._map.close()
-        except BufferError:  # a view of it still lives: the mapping goes with the process
-            pass
 
 
 class TensorParallelGroup:
@@ -180,7 +174,8 @@ class TensorParallelGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        if self.shm is not None and x.dtype == torch.float32 and x.dim() == 2:
+        if (self.shm is not None and x.dtype == torch.float32 and x.dim() == 2
+                and 4 * x.shape[1] <= SHM_SLOT_BYTES):  # the segment takes whole rows
             return self.shm.all_gather(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._pg.allgather([parts], [x]).wait()

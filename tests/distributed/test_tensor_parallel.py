@@ -208,7 +208,8 @@ collective_steps(init_tensor_parallel_group(1, 2, sys.argv[1], 60, sys.argv[2]))
 
 def collective_steps(group: TensorParallelGroup) -> None:
     """The same collectives on each rank, each larger than a slot of the shared segment
-    (so in chunks), checked exactly: a sum, a gather, a broadcast; bfloat16 through gloo."""
+    (so in chunks), checked exactly: a sum, a gather, a broadcast; a gather whose rows are
+    larger than a slot and bfloat16 through gloo."""
     import torch
 
     from pagellm.model_executor.parallel_state import SHM_SLOT_BYTES
@@ -221,6 +222,9 @@ def collective_steps(group: TensorParallelGroup) -> None:
     assert gathered.shape == (5, 600_000)
     assert torch.equal(gathered[:, :300_000], torch.zeros(5, 300_000))
     assert torch.equal(gathered[:, 300_000:], torch.ones(5, 300_000))
+    wide = torch.full((2, SHM_SLOT_BYTES // 4 + 1), float(group.rank))  # a row past a slot: gloo
+    gathered = group.all_gather(wide)
+    assert torch.equal(gathered, torch.cat([torch.zeros_like(wide), torch.ones_like(wide)], 1))
     payload = bytes(range(256)) * (9 * 4096)  # 9 MB
     assert group.broadcast_object(payload if group.rank == 0 else None) == payload
     half = torch.full((7,), 1.5, dtype=torch.bfloat16)

@@ -309,6 +309,8 @@ class Linear(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = "",
                  output_sizes: list[int] | None = None, parallel: str | None = None) -> None:
         super().__init__()
+        if parallel not in (None, "column", "row", "vocab"):
+            raise ValueError(f"linear parallel must be column, row or vocab; got {parallel!r}")
         full_sizes = list(output_sizes or [out_features])
         tp = current_group() if parallel is not None else SINGLE
         self.tp = tp
@@ -326,8 +328,6 @@ class Linear(nn.Module):
             self.row_shards = [tp.uneven_shard(out_features)]
         elif self.parallel == "row":
             self.col_shard = tp.shard(in_features, f"{prefix or 'linear'} input columns")
-        elif self.parallel is not None:
-            raise ValueError(f"linear parallel must be column, row or vocab; got {parallel!r}")
         in_features = self.col_shard[1]
         self.in_features = in_features
         self.output_sizes = [n for _, n in self.row_shards]

@@ -279,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
     model_cls: type[LlamaModel] = LlamaModel
     supports_tensor_parallel = True
     """Whether the family's layers take a rank's shard (parallel_state); a family whose
-    layers do not (experts, Gemma's own blocks) sets False and is refused above one rank."""
+    layers do not (the MoE families' experts) sets False and is refused above one rank."""
     gguf_family = GGUFFamily(permuted_qk=True)
     """What llama.cpp's converter did to this family's tensors (weight_utils)."""
 
