@@ -446,6 +446,34 @@ def test_q8_kernels_compute_the_int8_scheme(qtype: str, q8_isa: Any) -> None:
         assert 1e-5 < err(ours, exact) <= err(llama, exact) * 1.001
 
 
+def test_head_takes_two_int8_levels_at_any_row_count() -> None:
+    """Where the CPU has AVX-512 VNNI and no AMX, the logits head on the int8 path rounds
+    every row in two levels (HEAD_INT8_LEVELS), past Q8_MAX_ROWS too (float32 there
+    before): each row's logits are the bits it gets alone, and equal (1e-5) the numpy
+    model of the two levels."""
+    lib = kernels.load_kernels()
+    if lib.pg_q8_isa() != 2:
+        pytest.skip("this CPU has no AVX-512 VNNI (the head keeps float32 past Q8_MAX_ROWS)")
+    if lib.pg_amx_ready():
+        pytest.skip("this CPU has AMX-BF16: the head past Q8_MAX_ROWS runs on AMX tiles")
+    rng = np.random.default_rng(21)
+    n, k = 70, 576
+    data = random_blocks("Q8_0", n, k, rng)
+    ref = _reference(data, "Q8_0", n, k)
+    layer = torch.nn.Module()
+    layer.weight_groups = [gguf_method.WeightGroup(int(gguf.GGMLQuantizationType.Q8_0), data, 0, n)]
+    layer.out_features = n
+    head = gguf_method.GGUFLinearMethod(q8_activations=True, int8_levels=2, head=True)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    y = head.apply(layer, x)
+    alone = torch.cat([head.apply(layer, x[i : i + 1]) for i in range(40)])
+    assert torch.equal(y, alone)
+    first = _round_activations(x.numpy(), 32)
+    second = _round_activations((x.numpy() - first).astype(np.float32), 32)
+    want = (first + second) @ ref.T
+    assert np.linalg.norm(y.numpy() - want) / np.linalg.norm(want) <= 1e-5
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     """The 32-block kernels take whole chunks of 8 blocks, then the rest (unrolled for 2, 4
