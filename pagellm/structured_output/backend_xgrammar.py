@@ -41,6 +41,30 @@ MAX_WHITESPACE_RUN = 20
 grammars allow a newline and up to 20 indentation characters). Unbounded, a small model
 sampling at temperature 1 can emit newlines until max_tokens."""
 
+# xgrammar (0.2.x) writes a string with minLength / maxLength as a repeat of this class:
+# it lets raw control characters through (a tab inside a string: JSON that Python's
+# json.loads and JavaScript's JSON.parse reject) and no escape at all (mlc-ai/xgrammar
+# issues 286 and 800). Each repeat becomes one JSON character instead, as in its plain
+# strings: an unescaped one other than a control character, or an escape.
+_BOUNDED_CHARACTER = ' ::= (([^\\"\\\\\\r\\n]))'
+_JSON_CHARACTER = ' ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" basic_escape))'
+_BASIC_ESCAPE = 'basic_escape ::= (([\\"\\\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+
+
+def json_schema_ebnf(schema: str, any_whitespace: bool = True, max_whitespace_cnt: int | None = None) -> str:
+    """xgrammar's grammar of a JSON schema as EBNF text, its length-bounded strings made
+    to emit valid JSON (_BOUNDED_CHARACTER). Raises RuntimeError as xgrammar does."""
+    xgr = import_xgrammar()
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
+                                            max_whitespace_cnt=max_whitespace_cnt))
+    lines = text.splitlines()
+    fixed = [line[: -len(_BOUNDED_CHARACTER)] + _JSON_CHARACTER if line.endswith(_BOUNDED_CHARACTER) else line
+             for line in lines]
+    if fixed != lines and not any(line.startswith("basic_escape ::=") for line in lines):
+        fixed.append(_BASIC_ESCAPE)
+    return "\n".join(fixed)
+
+
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -108,10 +132,8 @@ class XgrammarBackend(StructuredOutputBackend):
         kind = params.kind
         try:
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(
-                    _json_schema(params),
-                    any_whitespace=not params.disable_any_whitespace,
-                    max_whitespace_cnt=MAX_WHITESPACE_RUN,
+                compiled = self.compiler.compile_grammar(
+                    json_schema_ebnf(_json_schema(params), not params.disable_any_whitespace, MAX_WHITESPACE_RUN)
                 )
             elif kind == "json_object":
                 compiled = self.compiler.compile_builtin_json_grammar()

@@ -67,6 +67,39 @@ def test_sampled_json_fits_its_schema(llm: LLM) -> None:
     _assert_engine_empty(llm)
 
 
+def test_length_bounded_strings_emit_valid_json() -> None:
+    """xgrammar writes a string with minLength / maxLength as a repeat of a class that lets
+    a raw tab through and no escape (the sampled-JSON test above once drew
+    {"ok": "down<TAB>4."}, which json.loads rejects); pagellm's grammar takes an escape or
+    any character but a control character for each repeat: valid JSON, the bounds
+    counted in decoded characters."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagellm.structured_output.backend_xgrammar import json_schema_ebnf
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 7}},
+              "required": ["a"], "additionalProperties": False}
+    grammar = Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
+    cases = {
+        '{"a": "ab\tc"}': False,  # a raw tab
+        '{"a": "ab\\tc"}': True,  # the escape \t: one character
+        '{"a": "a\\"b"}': True,
+        '{"a": "\\u0041bcdefg"}': True,  # 7 characters, the first one an escape
+        '{"a": "\\u0041bcdefgh"}': False,  # 8
+        '{"a": "1234567"}': True,
+        '{"a": "12345678"}': False,
+        '{"a": ""}': False,
+    }
+    for text, valid in cases.items():
+        assert _is_grammar_accept_string(grammar, text) is valid, text
+        if valid:
+            json.loads(text)
+    # the raw class stays where xgrammar's own plain strings already exclude control characters
+    plain = Grammar.from_ebnf(json_schema_ebnf(json.dumps({"type": "string"})))
+    assert not _is_grammar_accept_string(plain, '"a\tb"')
+
+
 def test_sampled_regex_and_choice_match(llm: LLM) -> None:
     regexes = [r"[A-Z]{3}-[0-9]{2,4}", r"(cat|dog)s? (are|is) (great|fine)\.", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)",
                r"-?[1-9][0-9]{0,3}(\.[0-9]{1,2})?"]

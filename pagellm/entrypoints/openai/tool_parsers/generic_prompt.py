@@ -179,12 +179,12 @@ def generic_tool_reply_grammar(tools: list[Any], parallel_tool_calls: bool | Non
     whose name is one of the tools' and whose arguments fit that tool's parameters schema
     (compact JSON, as the prompt shows it). The role llama.cpp's generic handler gives its
     grammar. Raises InvalidToolRequest for bad tools."""
-    from pagellm.structured_output.backend_types import import_xgrammar
+    from pagellm.structured_output.backend_xgrammar import json_schema_ebnf
 
     items, defs = call_object_schemas(validate_tools(tools), "arguments")
     call_schema = json.dumps({"anyOf": items, **defs})
     try:
-        call_object = str(import_xgrammar().Grammar.from_json_schema(call_schema, any_whitespace=False))
+        call_object = json_schema_ebnf(call_schema, any_whitespace=False)
     except RuntimeError as e:  # a schema xgrammar cannot take
         raise InvalidToolRequest("tools", f"cannot constrain tool calls to these tools: {e}") from None
     # One newline between calls and at most one after them: the end of the calls is the
