@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -63,8 +64,6 @@ PROGRESS = Progress()
 def describe_exit(returncode: int | None) -> str:
     """A process's end in words (an engine core's, a tensor-parallel rank's): 'killed by
     SIGKILL', 'exited with code 1'."""
-    import signal
-
     if returncode is not None and returncode < 0:
         try:
             return f"killed by {signal.Signals(-returncode).name}"

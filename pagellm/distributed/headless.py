@@ -18,10 +18,11 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.protocol import ENGINE_REFUSED_EXIT_CODE
-from pagellm.engine.core_client import describe_exit, launch_engines
+from pagellm.engine.core_client import launch_engines
 from pagellm.engine.handshake import engine_addresses
 from pagellm.engine.prestart import stop_engine_processes
 from pagellm.logger import init_logger
+from pagellm.utils import describe_exit
 
 logger = init_logger(__name__)
 

@@ -58,7 +58,7 @@ from pagellm.engine.handshake import (
 )
 from pagellm.engine.prestart import claim_prestarted, launch_engine_process, stop_engine_processes
 from pagellm.logger import init_logger
-from pagellm.utils import describe_exit  # noqa: F401  (headless.py and tests import it from here)
+from pagellm.utils import describe_exit
 
 logger = init_logger(__name__)
 

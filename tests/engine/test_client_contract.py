@@ -18,9 +18,9 @@ from pagellm.engine.core_client import (
     InprocClient,
     MPClient,
     SyncMPClient,
-    describe_exit,
     merge_ready_responses,
 )
+from pagellm.utils import describe_exit
 
 CLIENTS = [InprocClient, MPClient, SyncMPClient, AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient]
 API = [

@@ -67,7 +67,8 @@ float32 past Q8_MAX_ROWS: the default model's head, 2 threads on an AMD EPYC (AV
 
 Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations in the decode kernels (the q8
-path): a step's decode rows, or a logits head's rows. Past it a decode-only step takes the
+path): a step's decode rows, or a logits head's rows (a head of any count where the CPU has
+AVX-512 VNNI and no AMX: HEAD_INT8_LEVELS). Past it a decode-only step takes the
 int8 GEMM where the CPU has AVX-512 VNNI (ggml_i8gemm.c), else float32, where the batched
 float kernels are faster than the decode kernels (benchmarks/kernel_shapes.py)."""
 
