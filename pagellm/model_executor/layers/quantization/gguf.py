@@ -62,8 +62,10 @@ CPU has AMX-BF16, the head runs on AMX tiles in bfloat16 instead (GGUFLinearMeth
 the default model's head at 64 rows 7.7 ms against 30.9 ms in float32 tiles (one thread).
 Where the CPU has AVX-512 VNNI but no AMX, the head takes its two int8 levels at any row
 count (the int8 decode kernels, whose sums of a row do not depend on the row count), not
-float32 past Q8_MAX_ROWS: the default model's head, 2 threads on an AMD EPYC (AVX-512),
-17 / 33 / 64 rows 6.8 / 12.3 / 13.8 ms against 19.0 / 27.4 / 25.0 ms in float32."""
+float32 past Q8_MAX_ROWS. 2 threads on an AMD EPYC (AVX-512), 17 / 33 / 64 rows: the
+default model's Q8_0 head (49152 x 576) 6.8 / 12.3 / 13.8 ms against 19.0 / 27.4 / 25.0 ms
+in float32; the 1B-shaped file's Q6_K head (x 2048) 14.8 / 28.7 / 57.0 against 40.5 / 63.0 /
+78.7; the 8B-shaped file's (x 4096) 63 / 115 / 110 against 169 / 230 / 268."""
 
 Q8_MAX_ROWS = 16
 """Most rows of one product that multiply int8 activations in the decode kernels (the q8
