@@ -10,14 +10,20 @@
  * dims of one slot's key or value as 32 int8 values and a float16 scale (the largest
  * magnitude / 127), the scales kept in the same rows after the values, so a cache block
  * is still one contiguous piece (bytes):
- *   K [KVH, NB, D + D/16, bs]  rows 0 .. D-1: int8 key dim d of slot s at [d * bs + s];
- *                              then the scales, float16 of block d / 32 of slot s at
- *                              byte [D * bs + (d / 32) * 2 * bs + 2 * s]
+ *   K [KVH, NB, D + D/16, bs]  bytes 0 .. 16 D - 1: the int8 keys, four dims of a slot
+ *                              together (VNNI's operand): dim d of slot s at byte
+ *                              [(d / 4 * bs + s) * 4 + d % 4]; then the scales, float16
+ *                              of block d / 32 of slot s at byte
+ *                              [D * bs + (d / 32) * 2 * bs + 2 * s]
  *   V [KVH, NB, bs, D + D/16]  a slot's D int8 values, then its D / 32 float16 scales
- * A q8_0 score sums each 32 dims' int8 keys times the query, then adds that sum times
- * the slot's scale; an output weighs a slot's int8 values by its probability times the
- * row's scale. Every kernel takes these same steps, so a row's numbers stay the same
- * whichever kernel reads it (decode, prompt rows, AVX2 or AVX-512).
+ * A q8_0 score is llama.cpp's q8_0 x q8_0 product (its flash attention quantizes the query
+ * to the K cache's type): the query times the softmax scale is quantized to q8_0 as the
+ * cache's rows are (q8_query), each 32 dims' int8 products are summed exactly as int32,
+ * and the score is the chain over the blocks of fused multiply-adds of that sum times
+ * (slot scale x query scale). An output weighs a slot's int8 values by its probability
+ * times the row's scale. Every kernel takes these same steps (the integer sums are exact
+ * however they are formed), so a row's numbers stay the same whichever kernel reads it
+ * (decode, prompt rows, AVX2 or AVX-512).
  *
  * Request b reads the slots [lo[b], hi[b]) of its padded row, slot i living in block
  * table[b * table_stride + i / bs] at offset i % bs. Query head h reads KV head
@@ -150,8 +156,17 @@ static void share_by_slots(int parallel, int64_t B, int64_t per, const int64_t *
 /* 0: the AVX2 attention even where AVX-512 is present (tests compare the two). */
 int pg_attn_wide = 1;
 
-/* Whether this CPU runs tasks512 (compiled for AVX-512 F, BW, VL and DQ). */
-static int attn512(void) { return pg_avx512_full() && pg_attn_wide; }
+/* Whether this CPU runs tasks512 (compiled for AVX-512 F, BW, VL, DQ and VNNI: a q8_0
+ * cache's scores take vpdpbusd). */
+static int attn512(void) {
+#ifdef PG_X86_DISPATCH
+    static int vnni = -1;
+    if (vnni < 0) vnni = pg_avx512_full() && __builtin_cpu_supports("avx512vnni");
+    return vnni && pg_attn_wide;
+#else
+    return 0;
+#endif
+}
 
 /* Whether the decode attention runs its AVX-512 tasks here. */
 int pg_attn_isa512(void) { return attn512(); }
@@ -208,18 +223,10 @@ static inline __m256 kv_load8(const void *base, int64_t i, const int kt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* K of slots [s0, s0 + 8) at dim d of cache block kblk (numbered kvh * NB + block; bs 16)
- * as floats: a float cache's values, a q8_0 cache's int8 values (times k_scale8's). */
+/* K of slots [s0, s0 + 8) at dim d of a float cache's block kblk (numbered kvh * NB +
+ * block; bs 16) as floats (a q8_0 cache's keys: q8_scores8). */
 static inline __m256 k_load8(const void *k, int64_t kblk, int64_t D, int64_t d, int s0, const int kt) {
-    if (kt != PG_KV_Q8) return kv_load8(k, (kblk * D + d) * 16 + s0, kt);
-    const int8_t *b = q8_kblock(k, kblk, D);
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + d * 16 + s0))));
-}
-
-/* The q8_0 scales of slots [s0, s0 + 8) for dims [32 c, 32 c + 32) of block kblk. */
-static inline __m256 k_scale8(const void *k, int64_t kblk, int64_t D, int64_t c, int s0) {
-    const int8_t *b = q8_kblock(k, kblk, D);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * D + c * 32 + 2 * s0)));
+    return kv_load8(k, (kblk * D + d) * 16 + s0, kt);
 }
 
 /* Dims [d, d + 8) of V row vrow ((kvh * NB + block) * 16 + slot) as floats (a q8_0
@@ -311,23 +318,72 @@ static inline __attribute__((always_inline)) void prefetch_next_line(const char 
     }
 }
 
-/* The prefetches of K block kn's dim d (a line of values every 64 bytes, and a q8_0
- * block's scale lines in its first iterations). */
-static inline __attribute__((always_inline)) void prefetch_k_dim(const char *kn, int64_t d, int64_t D,
-                                                                 int64_t es, const int kt) {
+/* The prefetch of a float cache's K block kn's dim d (a line every 64 bytes). */
+static inline __attribute__((always_inline)) void prefetch_k_dim(const char *kn, int64_t d, int64_t es) {
     if ((d * 16 * es) % 64 == 0) _mm_prefetch(kn + d * 16 * es, _MM_HINT_T0);
-    if (kt == PG_KV_Q8 && d % 16 == 0 && d * 4 < D) _mm_prefetch(kn + 16 * D + d * 4, _MM_HINT_T0);
 }
 
-/* A q8_0 K block's sums over its 32 dims (blk, per query vector, slots 0-7 and 8-15)
- * times the slots' scales, added to the scores a; blk starts again from zero. */
-static inline __attribute__((always_inline)) void q8_fold8(const int n, __m256 (*a)[2], __m256 (*blk)[2],
-                                                           __m256 s0, __m256 s1) {
-    for (int g = 0; g < n; g++) {
-        a[g][0] = _mm256_fmadd_ps(blk[g][0], s0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(blk[g][1], s1, a[g][1]);
-        blk[g][0] = blk[g][1] = _mm256_setzero_ps();
+static inline uint16_t q8_block(const float *x, int8_t *q);
+
+/* A query vector (times the softmax scale) on q8_0's grid, as the cache's rows are
+ * quantized (q8_block): its int8 values, each 32 dims' scale (the float16's value), and
+ * 128 times each 32 dims' sum of values (what a K byte read as unsigned, k + 128, adds to
+ * the VNNI kernel's sums). D <= 256. */
+typedef struct {
+    int8_t q[256];
+    float d[8];
+    int32_t off[8];
+} q8_query;
+
+static inline void q8_query_of(const float *x, int64_t D, q8_query *qv) {
+    for (int64_t c = 0; c < D / 32; c++) {
+        const uint16_t h = q8_block(x + 32 * c, qv->q + 32 * c);
+        qv->d[c] = pg_f16((const uint8_t *)&h);
+        int32_t sum = 0;
+        for (int i = 0; i < 32; i++) sum += qv->q[32 * c + i];
+        qv->off[c] = 128 * sum;
     }
+}
+
+/* Four dims of a q8_query from dim 4 u, as one 32-bit lane. */
+static inline int32_t q8_four(const q8_query *qv, int64_t u) {
+    int32_t v;
+    memcpy(&v, qv->q + 4 * u, 4);
+    return v;
+}
+
+/* The scores of slots [8 h, 8 h + 8) of q8_0 K block b (bs 16) for NQ query vectors: per
+ * 32 dims the exact int32 sums of k q (|k| times q given k's sign: a pair of products
+ * stays inside int16, 2 x 127 x 127), then a[i] = fma(sum, slot scale x query scale, a[i])
+ * over the blocks in order, from zero. */
+static inline __attribute__((always_inline)) void q8_scores8(const int NQ, const int8_t *b, int64_t D,
+                                                             int h, const q8_query *qv, __m256 *a) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < NQ; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D / 32; c++) {
+        __m256i s[6];
+        for (int i = 0; i < NQ; i++) s[i] = _mm256_setzero_si256();
+        for (int64_t u = 8 * c; u < 8 * c + 8; u++) {
+            const __m256i k = _mm256_loadu_si256((const __m256i *)(b + 64 * u + 32 * h));
+            const __m256i ak = _mm256_abs_epi8(k);
+            for (int i = 0; i < NQ; i++) {
+                const __m256i qk = _mm256_sign_epi8(_mm256_set1_epi32(q8_four(&qv[i], u)), k);
+                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ak, qk), ones));
+            }
+        }
+        const __m256 dk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * D + 32 * c + 16 * h)));
+        for (int i = 0; i < NQ; i++)
+            a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dk, _mm256_set1_ps(qv[i].d[c])), a[i]);
+    }
+}
+
+/* The lines of the next K block and of the next task's blocks (next_blocks), fetched
+ * before a q8_0 block's scores (a block is 16 D + D bytes: a few dozen lines). */
+static inline __attribute__((always_inline)) void q8_prefetch(const char *kc, const char *vc,
+                                                              const char *kn, int64_t kbytes,
+                                                              next_lines *walk) {
+    for (int64_t l = 0; l < kbytes; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
+    for (int64_t u = 0; u < walk->m * walk->lines; u++) prefetch_next_line(kc, vc, walk);
 }
 
 /* Heads [h0, h0 + G) of request b, all reading KV head kvh; bs == 16, D % 32 == 0.
@@ -345,27 +401,36 @@ static inline __attribute__((always_inline)) void decode_heads(
     for (int g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
     /* scores: every slot of blocks j0 .. j1-1, K loaded once for the G heads */
+    q8_query qv[4];
+    if (kt == PG_KV_Q8)
+        for (int g = 0; g < G; g++) q8_query_of(qs[g], D, &qv[g]);
     for (int64_t j = j0; j < j1; j++) {
         const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
         const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
-        __m256 a[4][2], blk[4][2]; /* blk: a q8_0 block's sums over its 32 dims */
-        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = blk[g][0] = blk[g][1] = _mm256_setzero_ps();
         int64_t offs[8];
         next_lines walk = {offs, next_blocks(nx, j - j0, 1, j1 - j0, NB, kbytes, offs), 0,
                            kbytes / 64, 0};
+        if (kt == PG_KV_Q8) {
+            q8_prefetch(kc, vc, kn, kbytes, &walk);
+            for (int h = 0; h < 2; h++) {
+                __m256 a[4];
+                q8_scores8(G, q8_kblock(k_store, kb, D), D, h, qv, a);
+                for (int g = 0; g < G; g++) _mm256_storeu_ps(sc + g * stride + (j - j0) * 16 + 8 * h, a[g]);
+            }
+            continue;
+        }
+        __m256 a[4][2];
+        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
         const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
-            prefetch_k_dim(kn, d, D, es, kt);
+            prefetch_k_dim(kn, d, es);
             __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
-            __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int g = 0; g < G; g++) {
                 __m256 qd = _mm256_set1_ps(qs[g][d]);
-                acc[g][0] = _mm256_fmadd_ps(qd, k0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(qd, k1, acc[g][1]);
+                a[g][0] = _mm256_fmadd_ps(qd, k0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(qd, k1, a[g][1]);
             }
-            if (kt == PG_KV_Q8 && d % 32 == 31) /* the block's sums times its slots' scales */
-                q8_fold8(G, a, blk, k_scale8(k_store, kb, D, d / 32, 0), k_scale8(k_store, kb, D, d / 32, 8));
         }
         for (int g = 0; g < G; g++) {
             _mm256_storeu_ps(sc + g * stride + (j - j0) * 16, a[g][0]);
@@ -443,23 +508,32 @@ static inline __attribute__((always_inline)) void rows_heads(
     int64_t first, last;
     float qs[6][256];
     rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
+    q8_query qv[6];
+    if (kt == PG_KV_Q8)
+        for (int i = 0; i < NQ; i++) q8_query_of(qs[i], D, &qv[i]);
     const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
         const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
         const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
-        __m256 a[6][2], blk[6][2];
-        for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = blk[i][0] = blk[i][1] = _mm256_setzero_ps();
+        if (kt == PG_KV_Q8) {
+            for (int64_t l = 0; l < kbytes; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {
+                __m256 a[6];
+                q8_scores8(NQ, q8_kblock(k_store, kb, D), D, h, qv, a);
+                for (int i = 0; i < NQ; i++) _mm256_storeu_ps(sc + i * stride + (j - j0) * 16 + 8 * h, a[i]);
+            }
+            continue;
+        }
+        __m256 a[6][2];
+        for (int i = 0; i < NQ; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d++) {
-            prefetch_k_dim(kn, d, D, es, kt);
+            prefetch_k_dim(kn, d, es);
             const __m256 k0 = k_load8(k_store, kb, D, d, 0, kt), k1 = k_load8(k_store, kb, D, d, 8, kt);
-            __m256 (*acc)[2] = kt == PG_KV_Q8 ? blk : a;
             for (int i = 0; i < NQ; i++) {
                 const __m256 qd = _mm256_set1_ps(qs[i][d]);
-                acc[i][0] = _mm256_fmadd_ps(qd, k0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(qd, k1, acc[i][1]);
+                a[i][0] = _mm256_fmadd_ps(qd, k0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qd, k1, a[i][1]);
             }
-            if (kt == PG_KV_Q8 && d % 32 == 31)
-                q8_fold8(NQ, a, blk, k_scale8(k_store, kb, D, d / 32, 0), k_scale8(k_store, kb, D, d / 32, 8));
         }
         for (int i = 0; i < NQ; i++) {
             _mm256_storeu_ps(sc + i * stride + (j - j0) * 16, a[i][0]);
@@ -572,7 +646,7 @@ static void rows_task(int nq, int kt, const float *q, int64_t ldq, int64_t t0, i
     }
 
 #ifdef PG_X86_DISPATCH
-#define ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define ATTN512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
 /* exp_neg sixteen lanes at a time (EXP_NEG_STEPS): the same values. */
 ATTN512 static inline __attribute__((always_inline)) __m512 exp_neg16(__m512 x) {
@@ -634,16 +708,7 @@ ATTN512 static inline __attribute__((always_inline)) __m512 kv_load16(const void
 /* k_load8 sixteen slots wide: a whole block's slots at dim d. */
 ATTN512 static inline __attribute__((always_inline)) __m512 k_load16(const void *k, int64_t kblk, int64_t D,
                                                                      int64_t d, const int kt) {
-    if (kt != PG_KV_Q8) return kv_load16(k, (kblk * D + d) * 16, kt);
-    const int8_t *b = q8_kblock(k, kblk, D);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + d * 16))));
-}
-
-/* k_scale8 for all 16 slots. */
-ATTN512 static inline __attribute__((always_inline)) __m512 k_scale16(const void *k, int64_t kblk, int64_t D,
-                                                                      int64_t c) {
-    const int8_t *b = q8_kblock(k, kblk, D);
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 16 * D + c * 32)));
+    return kv_load16(k, (kblk * D + d) * 16, kt);
 }
 
 /* v_load8 sixteen dims wide. */
@@ -654,11 +719,36 @@ ATTN512 static inline __attribute__((always_inline)) __m512 v_load16(const void 
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d))));
 }
 
-/* q8_fold8 sixteen slots at a time: the same operations lane by lane. */
-ATTN512 static inline __attribute__((always_inline)) void q8_fold16(const int n, __m512 *a, __m512 *blk, __m512 s) {
-    for (int g = 0; g < n; g++) {
-        a[g] = _mm512_fmadd_ps(blk[g], s, a[g]);
-        blk[g] = _mm512_setzero_ps();
+/* q8_scores8 for all 16 slots of the block with VNNI: K's bytes read as unsigned (k + 128,
+ * vpdpbusd's operand) and 128 x the query's sum taken off, the same exact int32 sums; two
+ * chains of sums per vector where the registers allow (integers: any order). */
+ATTN512 static inline __attribute__((always_inline)) void q8_scores16(const int NQ, const int8_t *b, int64_t D,
+                                                                      const q8_query *qv, __m512 *a) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int two = NQ <= 6;
+    for (int i = 0; i < NQ; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D / 32; c++) {
+        __m512i s[12], t[6];
+        for (int i = 0; i < NQ; i++) s[i] = _mm512_setzero_si512();
+        if (two)
+            for (int i = 0; i < NQ; i++) t[i] = _mm512_setzero_si512();
+        for (int64_t u = 8 * c; u < 8 * c + 8; u += 2) {
+            const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * u), flip);
+            const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * (u + 1)), flip);
+            for (int i = 0; i < NQ; i++) {
+                s[i] = _mm512_dpbusd_epi32(s[i], k0, _mm512_set1_epi32(q8_four(&qv[i], u)));
+                if (two)
+                    t[i] = _mm512_dpbusd_epi32(t[i], k1, _mm512_set1_epi32(q8_four(&qv[i], u + 1)));
+                else
+                    s[i] = _mm512_dpbusd_epi32(s[i], k1, _mm512_set1_epi32(q8_four(&qv[i], u + 1)));
+            }
+        }
+        const __m512 dk = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 16 * D + 32 * c)));
+        for (int i = 0; i < NQ; i++) {
+            const __m512i sum = _mm512_sub_epi32(two ? _mm512_add_epi32(s[i], t[i]) : s[i],
+                                                 _mm512_set1_epi32(qv[i].off[c]));
+            a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dk, _mm512_set1_ps(qv[i].d[c])), a[i]);
+        }
     }
 }
 
@@ -677,6 +767,9 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
     float qs[4][256];
     for (int g = 0; g < G; g++)
         for (int64_t d = 0; d < D; d++) qs[g][d] = q[b * ldq + (h0 + g) * D + d] * scale;
+    q8_query qv[4];
+    if (kt == PG_KV_Q8)
+        for (int g = 0; g < G; g++) q8_query_of(qs[g], D, &qv[g]);
     /* two K blocks at a time: twice the independent chains (each score's chain over d is
      * unchanged); the next blocks' keys and the next task's keys and values are fetched
      * while these compute */
@@ -688,11 +781,23 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
         const int64_t jn = j + 2 < j1 ? j + 2 : j, jn1 = j + 3 < j1 ? j + 3 : jn;
         const char *kn = kc + (kvh * NB + row[jn]) * kbytes;
         const char *kn1 = kc + (kvh * NB + row[jn1]) * kbytes;
-        __m512 a[4], c[4], ab[4], cb[4]; /* ab, cb: a q8_0 block's sums over its 32 dims */
-        for (int g = 0; g < G; g++) a[g] = c[g] = ab[g] = cb[g] = _mm512_setzero_ps();
         int64_t offs[8];
         next_lines walk = {offs, next_blocks(nx, j - j0, 2, j1 - j0, NB, kbytes, offs), 0,
                            kbytes / 64, 0};
+        if (kt == PG_KV_Q8) {
+            q8_prefetch(kc, vc, kn, kbytes, &walk);
+            if (kn1 != kn) q8_prefetch(kc, vc, kn1, kbytes, &walk);
+            __m512 a[4];
+            q8_scores16(G, q8_kblock(k_store, kb, D), D, qv, a);
+            for (int g = 0; g < G; g++) _mm512_storeu_ps(sc + g * stride + (j - j0) * 16, a[g]);
+            if (two) {
+                q8_scores16(G, q8_kblock(k_store, kb1, D), D, qv, a);
+                for (int g = 0; g < G; g++) _mm512_storeu_ps(sc + g * stride + (j + 1 - j0) * 16, a[g]);
+            }
+            continue;
+        }
+        __m512 a[4], c[4];
+        for (int g = 0; g < G; g++) a[g] = c[g] = _mm512_setzero_ps();
         const int64_t per = (walk.m * walk.lines + D - 1) / D;
         for (int64_t d = 0; d < D; d++) {
             for (int64_t u = 0; u < per; u++) prefetch_next_line(kc, vc, &walk);
@@ -702,15 +807,10 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
             }
             const __m512 k = k_load16(k_store, kb, D, d, kt);
             const __m512 k1 = k_load16(k_store, kb1, D, d, kt);
-            __m512 *acc = kt == PG_KV_Q8 ? ab : a, *acc1 = kt == PG_KV_Q8 ? cb : c;
             for (int g = 0; g < G; g++) {
                 const __m512 qd = _mm512_set1_ps(qs[g][d]);
-                acc[g] = _mm512_fmadd_ps(qd, k, acc[g]);
-                acc1[g] = _mm512_fmadd_ps(qd, k1, acc1[g]);
-            }
-            if (kt == PG_KV_Q8 && d % 32 == 31) { /* q8_fold8's order, sixteen slots wide */
-                q8_fold16(G, a, ab, k_scale16(k_store, kb, D, d / 32));
-                q8_fold16(G, c, cb, k_scale16(k_store, kb1, D, d / 32));
+                a[g] = _mm512_fmadd_ps(qd, k, a[g]);
+                c[g] = _mm512_fmadd_ps(qd, k1, c[g]);
             }
         }
         for (int g = 0; g < G; g++) {
@@ -772,18 +872,24 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     int64_t first, last;
     float qs[12][256];
     rows_setup(NQ, q, ldq, t0, nh, h0, D, scale, lo, hi, qs, &first, &last);
+    q8_query qv[12];
+    if (kt == PG_KV_Q8)
+        for (int i = 0; i < NQ; i++) q8_query_of(qs[i], D, &qv[i]);
     const int64_t j0 = first / 16, j1 = (last + 15) / 16;
     for (int64_t j = j0; j < j1; j++) {
         const int64_t kb = kvh * NB + row[j]; /* the block, numbered as k_load8's */
         const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
-        __m512 a[12], blk[12];
-        for (int i = 0; i < NQ; i++) a[i] = blk[i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d++) {
-            prefetch_k_dim(kn, d, D, es, kt);
-            const __m512 k = k_load16(k_store, kb, D, d, kt);
-            __m512 *acc = kt == PG_KV_Q8 ? blk : a;
-            for (int i = 0; i < NQ; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, acc[i]);
-            if (kt == PG_KV_Q8 && d % 32 == 31) q8_fold16(NQ, a, blk, k_scale16(k_store, kb, D, d / 32));
+        __m512 a[12];
+        if (kt == PG_KV_Q8) {
+            for (int64_t l = 0; l < kbytes; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
+            q8_scores16(NQ, q8_kblock(k_store, kb, D), D, qv, a);
+        } else {
+            for (int i = 0; i < NQ; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                prefetch_k_dim(kn, d, es);
+                const __m512 k = k_load16(k_store, kb, D, d, kt);
+                for (int i = 0; i < NQ; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, a[i]);
+            }
         }
         for (int i = 0; i < NQ; i++) _mm512_storeu_ps(sc + i * stride + (j - j0) * 16, a[i]);
     }
@@ -1137,7 +1243,7 @@ static void write_kv_rows_q8(const float *key, int64_t ldk, const float *value, 
             for (int64_t c = 0; c < D / 32; c++) {
                 int8_t q[32];
                 const uint16_t ks = q8_block(kr + 32 * c, q);
-                for (int i = 0; i < 32; i++) kb[(32 * c + i) * bs + off] = (uint8_t)q[i];
+                for (int u = 0; u < 8; u++) memcpy(kb + ((8 * c + u) * bs + off) * 4, q + 4 * u, 4);
                 memcpy(kb + D * bs + c * 2 * bs + 2 * off, &ks, 2);
                 const uint16_t vs = q8_block(vr + 32 * c, (int8_t *)vrow + 32 * c);
                 memcpy(vrow + D + 2 * c, &vs, 2);

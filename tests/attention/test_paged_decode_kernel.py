@@ -28,14 +28,16 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     writes, then run one decode step; returns (output, K cache, V cache). geometry:
     (block size, query heads, KV heads, head dim); kv_dtype: the cache's storage; lib:
     the kernel library to use (default: the SIMD build); q8_values: K/V rounded to q8_0
-    first (`_q8_0_round`), so that a q8_0 cache holds them exactly."""
+    first (`_q8_0_round`), so that a q8_0 cache holds them exactly, and the queries too with
+    a softmax scale of 1/8, a power of two (the C scores over a q8_0 cache quantize the
+    query times the scale as q8_0: on the grid already, it stays as it is)."""
     BS, H, KVH, D = geometry  # noqa: N806
     gen = torch.Generator().manual_seed(seed)
     nb = 64
     k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, BS, KVH, D, kv_dtype, torch.device("cpu"))
     k_cache.zero_()
     v_cache.zero_()
-    impl = TorchAttentionImpl(H, D, D**-0.5, KVH, logits_soft_cap=soft_cap)
+    impl = TorchAttentionImpl(H, D, 0.125 if q8_values else D**-0.5, KVH, logits_soft_cap=soft_cap)
     if lib is not None:  # another build of the kernels
         impl.kernels = lib
     if not use_c:
@@ -71,6 +73,8 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     b = len(seq_lens)
     last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(b)])
     q_fused = torch.randn(b, (H + KVH) * D, generator=gen)
+    if q8_values:
+        q_fused[:, : H * D] = _q8_0_round(q_fused[:, : H * D] * 0.125) * 8
     query = q_fused[:, : H * D].view(b, H, D)
     dec_common = CommonAttentionMetadata(
         num_reqs=b, num_actual_tokens=b, query_start_loc=torch.arange(b + 1),
@@ -107,12 +111,15 @@ def _q8_0_round(x: torch.Tensor) -> torch.Tensor:
 def _q8_0_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> tuple[np.ndarray, ...]:
     """A q8_0 cache's blocks read back: K values [KVH, nb, D, bs], K scales [KVH, nb, D/32,
     bs], V values [KVH, nb, bs, D], V scales [KVH, nb, bs, D/32] (paged_attention.c's
-    layout)."""
+    layout: a block's keys four dims of a slot together, dim d of slot s at byte
+    (d // 4 * bs + s) * 4 + d % 4)."""
     k_store, v_store = (t.contiguous().numpy() for t in (k_cache.permute(2, 0, 3, 1), v_cache.permute(2, 0, 1, 3)))
     kvh, nb, _, bs = k_store.shape
     k_scales = np.ascontiguousarray(k_store[:, :, d:, :]).reshape(kvh, nb, d // 32, 2 * bs).view(np.float16)
     v_scales = np.ascontiguousarray(v_store[..., d:]).view(np.float16)
-    return k_store[:, :, :d, :], k_scales, v_store[..., :d], v_scales
+    k_values = (np.ascontiguousarray(k_store[:, :, :d, :]).reshape(kvh, nb, d // 4, bs, 4)
+                .transpose(0, 1, 2, 4, 3).reshape(kvh, nb, d, bs))
+    return k_values, k_scales, v_store[..., :d], v_scales
 
 
 GEOMETRIES = {
@@ -232,8 +239,10 @@ def test_q8_0_write_gives_llama_cpp_blocks(simd: bool) -> None:
 def test_c_decode_over_a_q8_0_cache(seq_lens: list[int], window: int | None, cap: float | None,
                                     geometry: tuple[int, int, int, int]) -> None:
     """The decode attention over a q8_0 cache equals the torch path's float32 attention
-    over the values the cache holds (K/V already on q8_0's grid, so the write keeps them
-    exactly), and differs from float32 K/V by q8_0's rounding only."""
+    over the values the cache holds and the query its scores quantize (K/V and the query
+    times the scale already on q8_0's grid, so the write and the query's quantization keep
+    them exactly: the integer sums then differ from float32 sums by float32's rounding),
+    and differs from float32 K/V and queries by q8_0's rounding only."""
     if geometry[0] * 16 < max(seq_lens):
         pytest.skip("longer than the blocks this cache gives a request")
     q8_out, k_cache, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=Q8_KV_DTYPE,
