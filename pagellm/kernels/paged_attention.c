@@ -20,8 +20,8 @@
  * to the K cache's type): the query times the softmax scale is quantized to q8_0 as the
  * cache's rows are (q8_query), each 32 dims' int8 products are summed exactly as int32,
  * and the score is the chain over the blocks of fused multiply-adds of that sum times
- * (slot scale x query scale). An output weighs a slot's int8 values by its probability
- * times the row's scale. Every kernel takes these same steps (the integer sums are exact
+ * (slot scale x query scale). An output weighs a slot's values (its int8 values times the
+ * row's scale: exact in float32) by its probability. Every kernel takes these same steps (the integer sums are exact
  * however they are formed), so a row's numbers stay the same whichever kernel reads it
  * (decode, prompt rows, AVX2 or AVX-512).
  *
@@ -63,8 +63,6 @@ static inline int64_t kv_row_bytes(int kt, int64_t D) {
     return kt == PG_KV_Q8 ? D + D / 16 : D * kv_elem_bytes(kt);
 }
 
-/* The scale of dims [d, d + 32) (d a multiple of 32) of V row vrow: a q8_0 row's, 1 for
- * a float cache. A slot's probability times it weighs the row's raw values. */
 /* A q8_0 cache's K block kblk (numbered kvh * NB + block; bs 16) and V row vrow
  * ((kvh * NB + block) * 16 + slot), as bytes. */
 static inline const int8_t *q8_kblock(const void *k, int64_t kblk, int64_t D) {
@@ -74,6 +72,8 @@ static inline const int8_t *q8_vrow(const void *v, int64_t vrow, int64_t D) {
     return (const int8_t *)v + vrow * kv_row_bytes(PG_KV_Q8, D);
 }
 
+/* The scale of dims [d, d + 32) (d a multiple of 32) of V row vrow: a q8_0 row's, 1 for
+ * a float cache. */
 static inline float v_scale(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return 1.0f;
     return pg_f16((const uint8_t *)q8_vrow(v, vrow, D) + D + d / 32 * 2);
@@ -230,11 +230,12 @@ static inline __m256 k_load8(const void *k, int64_t kblk, int64_t D, int64_t d, 
 }
 
 /* Dims [d, d + 8) of V row vrow ((kvh * NB + block) * 16 + slot) as floats (a q8_0
- * cache's int8 values: times v_scale). */
+ * cache's int8 values times their block's scale: exact products, 7 bits by 11). */
 static inline __m256 v_load8(const void *v, int64_t vrow, int64_t D, int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return kv_load8(v, vrow * D + d, kt);
     const int8_t *r = q8_vrow(v, vrow, D);
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + d))));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r + d)))),
+                         _mm256_set1_ps(v_scale(v, vrow, D, d, kt)));
 }
 
 /* The softmax of slots [off, off + n) of each of G score rows (`stride` floats apart), in
@@ -451,9 +452,8 @@ static inline __attribute__((always_inline)) void decode_heads(
             }
             __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
             __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
-            const float vs = v_scale(v_store, vr, D, d0, kt);
             for (int g = 0; g < G; g++) {
-                __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)] * vs);
+                __m256 pi = _mm256_set1_ps(sc[g * stride + off + (i - lo)]);
                 a[g][0] = _mm256_fmadd_ps(pi, v0, a[g][0]);
                 a[g][1] = _mm256_fmadd_ps(pi, v1, a[g][1]);
                 a[g][2] = _mm256_fmadd_ps(pi, v2, a[g][2]);
@@ -556,9 +556,8 @@ static inline __attribute__((always_inline)) void rows_heads(
                 const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
                 const __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
                 const __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
-                const float vs = v_scale(v_store, vr, D, d0, kt);
-                for (int c = 0; c < nc; c++) {
-                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)] * vs);
+                    for (int c = 0; c < nc; c++) {
+                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
                     acc[c][0] = _mm256_fmadd_ps(pi, v0, acc[c][0]);
                     acc[c][1] = _mm256_fmadd_ps(pi, v1, acc[c][1]);
                     acc[c][2] = _mm256_fmadd_ps(pi, v2, acc[c][2]);
@@ -716,7 +715,8 @@ ATTN512 static inline __attribute__((always_inline)) __m512 v_load16(const void 
                                                                      int64_t d, const int kt) {
     if (kt != PG_KV_Q8) return kv_load16(v, vrow * D + d, kt);
     const int8_t *r = q8_vrow(v, vrow, D);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d))));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + d)))),
+                         _mm512_set1_ps(v_scale(v, vrow, D, d, kt)));
 }
 
 /* q8_scores8 for all 16 slots of the block with VNNI: K's bytes read as unsigned (k + 128,
@@ -830,9 +830,8 @@ ATTN512 static inline __attribute__((always_inline)) void decode_heads512(
                 for (int64_t c = 0; c < rb; c += 64) (void)vn;
             }
             const __m512 v0 = v_load16(v_store, vr, D, d0, kt), v1 = v_load16(v_store, vr, D, d0 + 16, kt);
-            const float vs = v_scale(v_store, vr, D, d0, kt);
             for (int g = 0; g < G; g++) {
-                const __m512 pi = _mm512_set1_ps(sc[g * stride + off + (i - lo)] * vs);
+                const __m512 pi = _mm512_set1_ps(sc[g * stride + off + (i - lo)]);
                 a[g][0] = _mm512_fmadd_ps(pi, v0, a[g][0]);
                 a[g][1] = _mm512_fmadd_ps(pi, v1, a[g][1]);
             }
@@ -855,6 +854,38 @@ ATTN512 static void tasks512(int64_t t0, int64_t t1, int64_t KVH, int64_t runs, 
     DECODE_TASKS(decode_heads512);
 }
 
+/* rows_heads512's outputs, dims [d0, d0 + 32), of its NC query vectors from c0: each its
+ * chain over the task's slots [first, last) of probability times the V row's scale times
+ * its values, each V row loaded once for the NC vectors. */
+ATTN512 static inline __attribute__((always_inline)) void rows_pv512(
+    const int NC, const int c0, const int kt, int64_t t0, int64_t nh, int64_t h0, int64_t kvh,
+    int64_t D, int64_t d0, const void *v_store, int64_t NB, const int64_t *row, int64_t first,
+    int64_t last, int64_t j1, const float *sc, int64_t stride, int64_t base, float *out, int64_t H) {
+    const char *vc = (const char *)v_store;
+    const int64_t rb = kv_row_bytes(kt, D);
+    __m512 acc[8][2];
+    for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
+    for (int64_t i = first; i < last; i++) {
+        const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
+        if (d0 == 0 && c0 == 0 && i / 16 + 1 < j1) {
+            const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * rb;
+            for (int64_t c = 0; c < rb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
+        }
+        const __m512 v0 = v_load16(v_store, vr, D, d0, kt), v1 = v_load16(v_store, vr, D, d0 + 16, kt);
+        for (int c = 0; c < NC; c++) {
+            const __m512 pi = _mm512_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+            acc[c][0] = _mm512_fmadd_ps(pi, v0, acc[c][0]);
+            acc[c][1] = _mm512_fmadd_ps(pi, v1, acc[c][1]);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
+        float *o = out + (t * H + h) * D + d0;
+        _mm512_storeu_ps(o, acc[c][0]);
+        _mm512_storeu_ps(o + 16, acc[c][1]);
+    }
+}
+
 /* Prompt rows, several at a time (pg_paged_prefill): NQ query vectors (rows t0 .. of one
  * chunk, heads h0 .. h0 + nh - 1 of each, vector i = row i / nh, head i % nh), all reading
  * KV head kvh through the chunk's block row; vector i sees slots [lo[i], hi[i]). Each K
@@ -867,7 +898,7 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
     int64_t kvh, int64_t D, const void *k_store, const void *v_store, int64_t NB,
     const int64_t *row, const int64_t *lo, const int64_t *hi, float scale, float cap, float *sc,
     int64_t stride, float *out, int64_t H) {
-    const char *kc = (const char *)k_store, *vc = (const char *)v_store;
+    const char *kc = (const char *)k_store;
     const int64_t es = kv_elem_bytes(kt), rb = kv_row_bytes(kt, D), kbytes = 16 * rb;
     int64_t first, last;
     float qs[12][256];
@@ -900,32 +931,12 @@ ATTN512 static inline __attribute__((always_inline)) void rows_heads512(
         softmax_rows512(1, p, stride, off, n, cap);
         zero_outside(p, base, off, n, end);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        for (int c0 = 0; c0 < NQ; c0 += 8) {
-            const int nc = NQ - c0 < 8 ? NQ - c0 : 8;
-            __m512 acc[8][2];
-            for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = _mm512_setzero_ps();
-            for (int64_t i = first; i < last; i++) {
-                const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
-                if (d0 == 0 && c0 == 0 && i / 16 + 1 < j1) {
-                    const char *vn = vc + ((kvh * NB + row[i / 16 + 1]) * 16 + i % 16) * rb;
-                    for (int64_t c = 0; c < rb; c += 64) _mm_prefetch(vn + c, _MM_HINT_T0);
-                }
-                const __m512 v0 = v_load16(v_store, vr, D, d0, kt), v1 = v_load16(v_store, vr, D, d0 + 16, kt);
-                const float vs = v_scale(v_store, vr, D, d0, kt);
-                for (int c = 0; c < nc; c++) {
-                    const __m512 pi = _mm512_set1_ps(sc[(c0 + c) * stride + base + (i - first)] * vs);
-                    acc[c][0] = _mm512_fmadd_ps(pi, v0, acc[c][0]);
-                    acc[c][1] = _mm512_fmadd_ps(pi, v1, acc[c][1]);
-                }
-            }
-            for (int c = 0; c < nc; c++) {
-                const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
-                float *o = out + (t * H + h) * D + d0;
-                _mm512_storeu_ps(o, acc[c][0]);
-                _mm512_storeu_ps(o + 16, acc[c][1]);
-            }
-        }
+    for (int64_t d0 = 0; d0 < D; d0 += 32) { /* vectors 0-7, then 8-11: counts the compiler knows */
+        rows_pv512(NQ < 8 ? NQ : 8, 0, kt, t0, nh, h0, kvh, D, d0, v_store, NB, row, first, last, j1, sc,
+                   stride, base, out, H);
+        if (NQ > 8)
+            rows_pv512(NQ > 8 ? NQ - 8 : 1, 8, kt, t0, nh, h0, kvh, D, d0, v_store, NB, row, first, last, j1,
+                       sc, stride, base, out, H);
     }
 }
 

@@ -25,7 +25,12 @@ perplexity 23.488:
   With the scores' query quantized to q8_0 as well (llama.cpp's flash attention over a
   q8_0 cache; measured on an AMD EPYC with AVX-512 VNNI, against the float query there):
   q8 with the q8_0 cache +0.19% and 95.8% (before: +0.21%, 95.4%), the q8_0 cache alone
-  on the exact path -0.03% and 98.1% (before: -0.01%, 98.6%).
+  on the exact path -0.03% and 98.1% (before: -0.01%, 98.6%). With the V values times their
+  scales exact (int8 x float16) rather than the probability times the scale rounded: q8
+  with the q8_0 cache +0.61% and 95.6%, the cache alone -0.03% and 98.3%. One int8 level
+  amplifies any change of float rounding: those attention outputs were at most 6e-8
+  apart, the per-position log-likelihoods 0.05 apart on average; a perplexity within a
+  few tenths of a percent is the same quality.
 - q8x2 (two levels everywhere): perplexity +0.0002%, top-1 equal at 100%.
 (benchmarks/perplexity.py measures the same with llama-perplexity's protocol.)"""
 
