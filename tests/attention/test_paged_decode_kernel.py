@@ -182,7 +182,7 @@ def test_avx512_decode_gives_the_avx2_bits(geometry: tuple[int, int, int, int], 
 
     lib = load_kernels()
     if not lib.pg_attn_isa512():
-        pytest.skip("this CPU has no AVX-512 F/BW/VL/DQ: only the AVX2 path runs here")
+        pytest.skip("this CPU has no AVX-512 F/BW/VL/DQ/VNNI: only the AVX2 path runs here")
     wide = ctypes.c_int.in_dll(lib, "pg_attn_wide")
     outs = []
     try:

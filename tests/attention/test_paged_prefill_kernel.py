@@ -35,7 +35,7 @@ def lib(kernels, request):
     through pg_attn_wide = 0, as the decode kernel's tests do)."""
     wide = ctypes.c_int.in_dll(kernels, "pg_attn_wide")
     if request.param == "avx512" and not kernels.pg_attn_isa512():
-        pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ: the 16-lane attention does not run here")
+        pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI: the 16-lane attention does not run here")
     saved = wide.value
     wide.value = 1 if request.param == "avx512" else 0
     yield kernels
