@@ -494,6 +494,37 @@ static inline __attribute__((always_inline)) void zero_outside(float *p, int64_t
     for (int64_t x = off + n; x < end; x++) p[x] = 0.0f;
 }
 
+/* rows_heads' outputs, dims [d0, d0 + 32), of its NC query vectors from c0: each its chain
+ * over the task's slots [first, last) of probability times V row, each V row loaded once
+ * for the NC vectors. */
+static inline __attribute__((always_inline)) void rows_pv8(
+    const int NC, const int c0, const int kt, int64_t t0, int64_t nh, int64_t h0, int64_t kvh,
+    int64_t D, int64_t d0, const void *v_store, int64_t NB, const int64_t *row, int64_t first,
+    int64_t last, const float *sc, int64_t stride, int64_t base, float *out, int64_t H) {
+    __m256 acc[3][4];
+    for (int c = 0; c < NC; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
+    for (int64_t i = first; i < last; i++) {
+        const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
+        const __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
+        const __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
+        for (int c = 0; c < NC; c++) {
+            const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
+            acc[c][0] = _mm256_fmadd_ps(pi, v0, acc[c][0]);
+            acc[c][1] = _mm256_fmadd_ps(pi, v1, acc[c][1]);
+            acc[c][2] = _mm256_fmadd_ps(pi, v2, acc[c][2]);
+            acc[c][3] = _mm256_fmadd_ps(pi, v3, acc[c][3]);
+        }
+    }
+    for (int c = 0; c < NC; c++) {
+        const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
+        float *o = out + (t * H + h) * D + d0;
+        _mm256_storeu_ps(o, acc[c][0]);
+        _mm256_storeu_ps(o + 8, acc[c][1]);
+        _mm256_storeu_ps(o + 16, acc[c][2]);
+        _mm256_storeu_ps(o + 24, acc[c][3]);
+    }
+}
+
 /* rows_heads512 on AVX2 (up to 6 query vectors: two accumulators each for a block's 16
  * slots; the output 32 dims at a time for 3 vectors a pass over the slots): each score
  * decode_heads' chain over d, each softmax softmax_rows, each output its chain over slots,
@@ -547,32 +578,12 @@ static inline __attribute__((always_inline)) void rows_heads(
         softmax_rows(1, p, stride, off, n, cap);
         zero_outside(p, base, off, n, end);
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        for (int c0 = 0; c0 < NQ; c0 += 3) {
-            const int nc = NQ - c0 < 3 ? NQ - c0 : 3;
-            __m256 acc[3][4];
-            for (int c = 0; c < nc; c++) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = _mm256_setzero_ps();
-            for (int64_t i = first; i < last; i++) {
-                const int64_t vr = (kvh * NB + row[i / 16]) * 16 + i % 16; /* the V row */
-                const __m256 v0 = v_load8(v_store, vr, D, d0, kt), v1 = v_load8(v_store, vr, D, d0 + 8, kt);
-                const __m256 v2 = v_load8(v_store, vr, D, d0 + 16, kt), v3 = v_load8(v_store, vr, D, d0 + 24, kt);
-                    for (int c = 0; c < nc; c++) {
-                    const __m256 pi = _mm256_set1_ps(sc[(c0 + c) * stride + base + (i - first)]);
-                    acc[c][0] = _mm256_fmadd_ps(pi, v0, acc[c][0]);
-                    acc[c][1] = _mm256_fmadd_ps(pi, v1, acc[c][1]);
-                    acc[c][2] = _mm256_fmadd_ps(pi, v2, acc[c][2]);
-                    acc[c][3] = _mm256_fmadd_ps(pi, v3, acc[c][3]);
-                }
-            }
-            for (int c = 0; c < nc; c++) {
-                const int64_t t = t0 + (c0 + c) / nh, h = h0 + (c0 + c) % nh;
-                float *o = out + (t * H + h) * D + d0;
-                _mm256_storeu_ps(o, acc[c][0]);
-                _mm256_storeu_ps(o + 8, acc[c][1]);
-                _mm256_storeu_ps(o + 16, acc[c][2]);
-                _mm256_storeu_ps(o + 24, acc[c][3]);
-            }
-        }
+    for (int64_t d0 = 0; d0 < D; d0 += 32) { /* vectors 0-2, then 3-5: counts the compiler knows */
+        rows_pv8(NQ < 3 ? NQ : 3, 0, kt, t0, nh, h0, kvh, D, d0, v_store, NB, row, first, last, sc, stride,
+                 base, out, H);
+        if (NQ > 3)
+            rows_pv8(NQ > 3 ? NQ - 3 : 1, 3, kt, t0, nh, h0, kvh, D, d0, v_store, NB, row, first, last, sc,
+                     stride, base, out, H);
     }
 }
 
