@@ -16,11 +16,12 @@
  *                              of block d / 32 of slot s at byte
  *                              [D * bs + (d / 32) * 2 * bs + 2 * s]
  *   V [KVH, NB, bs, D + D/16]  a slot's D int8 values, then its D / 32 float16 scales
- * A q8_0 score is llama.cpp's q8_0 x q8_0 product (its flash attention quantizes the query
- * to the K cache's type): the query times the softmax scale is quantized to q8_0 as the
- * cache's rows are (q8_query), each 32 dims' int8 products are summed exactly as int32,
- * and the score is the chain over the blocks of fused multiply-adds of that sum times
- * (slot scale x query scale). An output weighs a slot's values (its int8 values times the
+ * A q8_0 score multiplies int8 keys by an int8 query, as llama.cpp's flash attention does
+ * (it quantizes the query to the K cache's type), in two levels: the query times the
+ * softmax scale is quantized to q8_0 as the cache's rows are, and its residual again
+ * (q8_query); each 32 dims' int8 products are summed exactly as int32, and the score is
+ * the chain over the blocks (and in each, the levels) of fused multiply-adds of that sum
+ * times (slot scale x query scale). An output weighs a slot's values (its int8 values times the
  * row's scale: exact in float32) by its probability. Every kernel takes these same steps (the integer sums are exact
  * however they are formed), so a row's numbers stay the same whichever kernel reads it
  * (decode, prompt rows, AVX2 or AVX-512).
@@ -326,55 +327,67 @@ static inline __attribute__((always_inline)) void prefetch_k_dim(const char *kn,
 
 static inline uint16_t q8_block(const float *x, int8_t *q);
 
-/* A query vector (times the softmax scale) on q8_0's grid, as the cache's rows are
- * quantized (q8_block): its int8 values, each 32 dims' scale (the float16's value), and
- * 128 times each 32 dims' sum of values (what a K byte read as unsigned, k + 128, adds to
- * the VNNI kernel's sums). D <= 256. */
+/* A query vector (times the softmax scale) in two q8_0 levels, x ~ d1 q1 + d2 q2, q2 the
+ * residual x - d1 q1 rounded as q8_0 again (q8_block, as the cache's rows are quantized):
+ * per level its int8 values, each 32 dims' scale (the float16's value), and 128 times each
+ * 32 dims' sum of values (what a K byte read as unsigned, k + 128, adds to the VNNI
+ * kernel's sums). One level is llama.cpp's (its flash attention quantizes the query to the
+ * K cache's type); the second leaves the query's rounding ~1/250 of one level's, the
+ * float query's scores to ~1e-5, so the greedy tokens the float query gave stay (one level
+ * changed the default model's answer to "What is the capital of France?"). D <= 256. */
 typedef struct {
-    int8_t q[256];
-    float d[8];
-    int32_t off[8];
+    int8_t q[2][256];
+    float d[2][8];
+    int32_t off[2][8];
 } q8_query;
 
 static inline void q8_query_of(const float *x, int64_t D, q8_query *qv) {
     for (int64_t c = 0; c < D / 32; c++) {
-        const uint16_t h = q8_block(x + 32 * c, qv->q + 32 * c);
-        qv->d[c] = pg_f16((const uint8_t *)&h);
-        int32_t sum = 0;
-        for (int i = 0; i < 32; i++) sum += qv->q[32 * c + i];
-        qv->off[c] = 128 * sum;
+        float r[32];
+        for (int l = 0; l < 2; l++) {
+            const float *in = l == 0 ? x + 32 * c : r;
+            const uint16_t h = q8_block(in, qv->q[l] + 32 * c);
+            qv->d[l][c] = pg_f16((const uint8_t *)&h);
+            int32_t sum = 0;
+            for (int i = 0; i < 32; i++) sum += qv->q[l][32 * c + i];
+            qv->off[l][c] = 128 * sum;
+            if (l == 0)
+                for (int i = 0; i < 32; i++) r[i] = x[32 * c + i] - qv->d[0][c] * (float)qv->q[0][32 * c + i];
+        }
     }
 }
 
-/* Four dims of a q8_query from dim 4 u, as one 32-bit lane. */
-static inline int32_t q8_four(const q8_query *qv, int64_t u) {
+/* Four dims of level l of a q8_query from dim 4 u, as one 32-bit lane. */
+static inline int32_t q8_four(const q8_query *qv, int l, int64_t u) {
     int32_t v;
-    memcpy(&v, qv->q + 4 * u, 4);
+    memcpy(&v, qv->q[l] + 4 * u, 4);
     return v;
 }
 
 /* The scores of slots [8 h, 8 h + 8) of q8_0 K block b (bs 16) for NQ query vectors: per
- * 32 dims the exact int32 sums of k q (|k| times q given k's sign: a pair of products
- * stays inside int16, 2 x 127 x 127), then a[i] = fma(sum, slot scale x query scale, a[i])
- * over the blocks in order, from zero. */
+ * 32 dims and query level the exact int32 sums of k q (|k| times q given k's sign: a pair
+ * of products stays inside int16, 2 x 127 x 127), then a[i] = fma(sum, slot scale x
+ * query scale, a[i]) over the blocks in order, level 1 then level 2, from zero. */
 static inline __attribute__((always_inline)) void q8_scores8(const int NQ, const int8_t *b, int64_t D,
                                                              int h, const q8_query *qv, __m256 *a) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < NQ; i++) a[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D / 32; c++) {
-        __m256i s[6];
-        for (int i = 0; i < NQ; i++) s[i] = _mm256_setzero_si256();
-        for (int64_t u = 8 * c; u < 8 * c + 8; u++) {
-            const __m256i k = _mm256_loadu_si256((const __m256i *)(b + 64 * u + 32 * h));
-            const __m256i ak = _mm256_abs_epi8(k);
-            for (int i = 0; i < NQ; i++) {
-                const __m256i qk = _mm256_sign_epi8(_mm256_set1_epi32(q8_four(&qv[i], u)), k);
-                s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ak, qk), ones));
-            }
-        }
         const __m256 dk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * D + 32 * c + 16 * h)));
-        for (int i = 0; i < NQ; i++)
-            a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dk, _mm256_set1_ps(qv[i].d[c])), a[i]);
+        for (int l = 0; l < 2; l++) {
+            __m256i s[6];
+            for (int i = 0; i < NQ; i++) s[i] = _mm256_setzero_si256();
+            for (int64_t u = 8 * c; u < 8 * c + 8; u++) {
+                const __m256i k = _mm256_loadu_si256((const __m256i *)(b + 64 * u + 32 * h));
+                const __m256i ak = _mm256_abs_epi8(k);
+                for (int i = 0; i < NQ; i++) {
+                    const __m256i qk = _mm256_sign_epi8(_mm256_set1_epi32(q8_four(&qv[i], l, u)), k);
+                    s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(ak, qk), ones));
+                }
+            }
+            for (int i = 0; i < NQ; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dk, _mm256_set1_ps(qv[i].d[l][c])), a[i]);
+        }
     }
 }
 
@@ -739,26 +752,28 @@ ATTN512 static inline __attribute__((always_inline)) void q8_scores16(const int 
     const int two = NQ <= 6;
     for (int i = 0; i < NQ; i++) a[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < D / 32; c++) {
-        __m512i s[12], t[6];
-        for (int i = 0; i < NQ; i++) s[i] = _mm512_setzero_si512();
-        if (two)
-            for (int i = 0; i < NQ; i++) t[i] = _mm512_setzero_si512();
-        for (int64_t u = 8 * c; u < 8 * c + 8; u += 2) {
-            const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * u), flip);
-            const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * (u + 1)), flip);
-            for (int i = 0; i < NQ; i++) {
-                s[i] = _mm512_dpbusd_epi32(s[i], k0, _mm512_set1_epi32(q8_four(&qv[i], u)));
-                if (two)
-                    t[i] = _mm512_dpbusd_epi32(t[i], k1, _mm512_set1_epi32(q8_four(&qv[i], u + 1)));
-                else
-                    s[i] = _mm512_dpbusd_epi32(s[i], k1, _mm512_set1_epi32(q8_four(&qv[i], u + 1)));
-            }
-        }
         const __m512 dk = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 16 * D + 32 * c)));
-        for (int i = 0; i < NQ; i++) {
-            const __m512i sum = _mm512_sub_epi32(two ? _mm512_add_epi32(s[i], t[i]) : s[i],
-                                                 _mm512_set1_epi32(qv[i].off[c]));
-            a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dk, _mm512_set1_ps(qv[i].d[c])), a[i]);
+        for (int l = 0; l < 2; l++) {
+            __m512i s[12], t[6];
+            for (int i = 0; i < NQ; i++) s[i] = _mm512_setzero_si512();
+            if (two)
+                for (int i = 0; i < NQ; i++) t[i] = _mm512_setzero_si512();
+            for (int64_t u = 8 * c; u < 8 * c + 8; u += 2) {
+                const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * u), flip);
+                const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(b + 64 * (u + 1)), flip);
+                for (int i = 0; i < NQ; i++) {
+                    s[i] = _mm512_dpbusd_epi32(s[i], k0, _mm512_set1_epi32(q8_four(&qv[i], l, u)));
+                    if (two)
+                        t[i] = _mm512_dpbusd_epi32(t[i], k1, _mm512_set1_epi32(q8_four(&qv[i], l, u + 1)));
+                    else
+                        s[i] = _mm512_dpbusd_epi32(s[i], k1, _mm512_set1_epi32(q8_four(&qv[i], l, u + 1)));
+                }
+            }
+            for (int i = 0; i < NQ; i++) {
+                const __m512i sum = _mm512_sub_epi32(two ? _mm512_add_epi32(s[i], t[i]) : s[i],
+                                                     _mm512_set1_epi32(qv[i].off[l][c]));
+                a[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dk, _mm512_set1_ps(qv[i].d[l][c])), a[i]);
+            }
         }
     }
 }

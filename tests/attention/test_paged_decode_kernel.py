@@ -23,14 +23,16 @@ BS, H, KVH, D = 4, 6, 2, 8
 def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int = 0,
                  geometry: tuple[int, int, int, int] = (BS, H, KVH, D),
                  kv_dtype: torch.dtype = torch.float32, lib: object = None,
-                 soft_cap: float | None = None, q8_values: bool = False) -> tuple[torch.Tensor, ...]:
+                 soft_cap: float | None = None, q8_values: bool = False,
+                 q8_query: bool = True) -> tuple[torch.Tensor, ...]:
     """Fill a cache with random K/V for every request's context through prefill-sized
     writes, then run one decode step; returns (output, K cache, V cache). geometry:
     (block size, query heads, KV heads, head dim); kv_dtype: the cache's storage; lib:
     the kernel library to use (default: the SIMD build); q8_values: K/V rounded to q8_0
     first (`_q8_0_round`), so that a q8_0 cache holds them exactly, and the queries too with
     a softmax scale of 1/8, a power of two (the C scores over a q8_0 cache quantize the
-    query times the scale as q8_0: on the grid already, it stays as it is)."""
+    query times the scale as q8_0: on the grid already, it stays as it is); q8_query=False
+    leaves the queries off the grid (K/V still on it)."""
     BS, H, KVH, D = geometry  # noqa: N806
     gen = torch.Generator().manual_seed(seed)
     nb = 64
@@ -73,7 +75,7 @@ def _decode_step(seq_lens: list[int], window: int | None, use_c: bool, seed: int
     b = len(seq_lens)
     last = torch.tensor([sum(seq_lens[: i + 1]) - 1 for i in range(b)])
     q_fused = torch.randn(b, (H + KVH) * D, generator=gen)
-    if q8_values:
+    if q8_values and q8_query:
         q_fused[:, : H * D] = _q8_0_round(q_fused[:, : H * D] * 0.125) * 8
     query = q_fused[:, : H * D].view(b, H, D)
     dec_common = CommonAttentionMetadata(
@@ -250,6 +252,13 @@ def test_c_decode_over_a_q8_0_cache(seq_lens: list[int], window: int | None, cap
     assert k_cache.dtype == torch.int8 and k_cache.shape[-1] == geometry[3] + geometry[3] // 16
     ref, _, _ = _decode_step(seq_lens, window, use_c=False, geometry=geometry, soft_cap=cap, q8_values=True)
     torch.testing.assert_close(q8_out, ref, rtol=1e-5, atol=2e-6)
+    # a query off the grid: its two int8 levels leave ~1/250 of one level's rounding (here
+    # at most 6e-5 from the float query; one level alone: 1.1e-2)
+    off_grid, _, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=Q8_KV_DTYPE,
+                                  soft_cap=cap, q8_values=True, q8_query=False)
+    ref, _, _ = _decode_step(seq_lens, window, use_c=False, geometry=geometry, soft_cap=cap, q8_values=True,
+                             q8_query=False)
+    assert (off_grid - ref).abs().max() < 2e-4, (off_grid - ref).abs().max()
     plain, _, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, kv_dtype=Q8_KV_DTYPE,
                                soft_cap=cap)
     f32, _, _ = _decode_step(seq_lens, window, use_c=True, geometry=geometry, soft_cap=cap)

@@ -30,7 +30,10 @@ perplexity 23.488:
   with the q8_0 cache +0.61% and 95.6%, the cache alone -0.03% and 98.3%. One int8 level
   amplifies any change of float rounding: those attention outputs were at most 6e-8
   apart, the per-position log-likelihoods 0.05 apart on average; a perplexity within a
-  few tenths of a percent is the same quality.
+  few tenths of a percent is the same quality. With the query in two int8 levels (one
+  level changed the default model's chat answer to "What is the capital of France?" from
+  "The capital of France is Paris." to "L'Étoile, ..."): q8 with the q8_0 cache +0.44% and
+  96.0%, the cache alone +0.006% and 98.3%.
 - q8x2 (two levels everywhere): perplexity +0.0002%, top-1 equal at 100%.
 (benchmarks/perplexity.py measures the same with llama-perplexity's protocol.)"""
 
