@@ -391,6 +391,18 @@ static inline __attribute__((always_inline)) void q8_scores8(const int NQ, const
     }
 }
 
+/* q8_scores8 for both halves of K block b, stored as NQ score rows (`stride` floats
+ * apart) from column col. */
+static inline __attribute__((always_inline)) void q8_store_scores8(const int NQ, const int8_t *b, int64_t D,
+                                                                   const q8_query *qv, float *sc,
+                                                                   int64_t stride, int64_t col) {
+    for (int h = 0; h < 2; h++) {
+        __m256 a[6];
+        q8_scores8(NQ, b, D, h, qv, a);
+        for (int i = 0; i < NQ; i++) _mm256_storeu_ps(sc + i * stride + col + 8 * h, a[i]);
+    }
+}
+
 /* The lines of the next K block and of the next task's blocks (next_blocks), fetched
  * before a q8_0 block's scores (a block is 16 D + D bytes: a few dozen lines). */
 static inline __attribute__((always_inline)) void q8_prefetch(const char *kc, const char *vc,
@@ -426,11 +438,7 @@ static inline __attribute__((always_inline)) void decode_heads(
                            kbytes / 64, 0};
         if (kt == PG_KV_Q8) {
             q8_prefetch(kc, vc, kn, kbytes, &walk);
-            for (int h = 0; h < 2; h++) {
-                __m256 a[4];
-                q8_scores8(G, q8_kblock(k_store, kb, D), D, h, qv, a);
-                for (int g = 0; g < G; g++) _mm256_storeu_ps(sc + g * stride + (j - j0) * 16 + 8 * h, a[g]);
-            }
+            q8_store_scores8(G, q8_kblock(k_store, kb, D), D, qv, sc, stride, (j - j0) * 16);
             continue;
         }
         __m256 a[4][2];
@@ -561,11 +569,7 @@ static inline __attribute__((always_inline)) void rows_heads(
         const char *kn = kc + (kvh * NB + row[j + 1 < j1 ? j + 1 : j]) * kbytes;
         if (kt == PG_KV_Q8) {
             for (int64_t l = 0; l < kbytes; l += 64) _mm_prefetch(kn + l, _MM_HINT_T0);
-            for (int h = 0; h < 2; h++) {
-                __m256 a[6];
-                q8_scores8(NQ, q8_kblock(k_store, kb, D), D, h, qv, a);
-                for (int i = 0; i < NQ; i++) _mm256_storeu_ps(sc + i * stride + (j - j0) * 16 + 8 * h, a[i]);
-            }
+            q8_store_scores8(NQ, q8_kblock(k_store, kb, D), D, qv, sc, stride, (j - j0) * 16);
             continue;
         }
         __m256 a[6][2];
