@@ -12,6 +12,8 @@
  *   pg_quantize_q8  X [M, K] float -> QX [M L, K] int8, DX [M L, K/32] scales,
  *                   SX [M L, K/16] sums of each 16 int8 values, in L levels per row
  *   pg_gemm_q8      Y[m, n] = sum_k X[m, k] * W[n, k] for the types in pg_q8_supported
+ *   pg_head_q8      the logits head: two levels where they can change a row's top logit
+ *                   (pg_head_bounds: its bounds per 16 rows and 32 values)
  */
 #include <float.h>
 #include <math.h>
@@ -479,6 +481,17 @@ static inline void store_sums(const float *out, int R, int64_t m0, int64_t level
 #define VNNI512 PG_VNNI512
 #define ROWS512 4
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* Input row r of a 16-row kernel's rows: the r-th of a list of quantized rows, or the r-th
+ * from its first (no list: every call but pg_head_q8's, where the test folds away). */
+#define ROW(ix, r) ((ix) != NULL ? (int64_t)(ix)[r] : (int64_t)(r))
+/* A loop over a 16-row kernel's input rows unrolled whole (R is a constant there): its
+ * sums stay in registers. Left to itself GCC kept the loop, and the sums in memory: a
+ * load, a fused multiply-add and a store per row and group. */
+#if defined(__clang__)
+#define UNROLL_ROWS _Pragma("unroll")
+#else
+#define UNROLL_ROWS _Pragma("GCC unroll 8")
+#endif
 
 static int vnni512(void) {
     static volatile int level = -1; /* a race writes the same value */
@@ -604,7 +617,7 @@ VNNI512 static int k45_inputs(const int8_t *QX, const int32_t *SX, int64_t P, in
 #define K16_AHEAD 4096
 VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const int five,
                                            const int8_t *qx, const float *dx, const int32_t *sx,
-                                           int64_t K, const int R, __m512 *acc) {
+                                           int64_t K, const int R, const int32_t *ix, __m512 *acc) {
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * pg_k16_sb_bytes(five);
@@ -627,9 +640,10 @@ VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const 
             const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
                 _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + PG_K16_MINS + 16 * j))))));
             const int64_t g = 8 * sb + j;
+            UNROLL_ROWS
             for (int r = 0; r < R; r++)
-                acc[r] = pg_tile_row(t, s, m, 1, 0, qx + r * K + 32 * g, dx[r * (K / 32) + g],
-                                     sx[r * (K / 16) + 2 * g], sx[r * (K / 16) + 2 * g + 1], acc[r]);
+                acc[r] = pg_tile_row(t, s, m, 1, 0, qx + ROW(ix, r) * K + 32 * g, dx[ROW(ix, r) * (K / 32) + g],
+                                     sx[ROW(ix, r) * (K / 16) + 2 * g], sx[ROW(ix, r) * (K / 16) + 2 * g + 1], acc[r]);
         }
     }
 }
@@ -640,7 +654,7 @@ VNNI512 static ALWAYS_INLINE void k16_rows(const uint8_t *w, int64_t nsb, const 
  * against input row r. */
 VNNI512 static ALWAYS_INLINE void q6_16_rows(const uint8_t *w, int64_t nsb, const int8_t *qx,
                                              const float *dx, const int32_t *sx, int64_t K,
-                                             const int R, __m512 *acc) {
+                                             const int R, const int32_t *ix, __m512 *acc) {
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * PG_Q6_16_SB;
@@ -656,9 +670,10 @@ VNNI512 static ALWAYS_INLINE void q6_16_rows(const uint8_t *w, int64_t nsb, cons
             const __m512 s1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                    _mm_loadu_si128((const __m128i *)(b + PG_Q6_16_SCALES + 32 * j + 16)))));
             const int64_t gi = 8 * sb + j;
+            UNROLL_ROWS
             for (int r = 0; r < R; r++)
-                acc[r] = pg_tile_row16(t, s0, s1, 32, qx + r * K + 32 * gi, dx[r * (K / 32) + gi],
-                                       sx[r * (K / 16) + 2 * gi], sx[r * (K / 16) + 2 * gi + 1], acc[r]);
+                acc[r] = pg_tile_row16(t, s0, s1, 32, qx + ROW(ix, r) * K + 32 * gi, dx[ROW(ix, r) * (K / 32) + gi],
+                                       sx[ROW(ix, r) * (K / 16) + 2 * gi], sx[ROW(ix, r) * (K / 16) + 2 * gi + 1], acc[r]);
         }
     }
 }
@@ -822,7 +837,7 @@ VNNI512 static ALWAYS_INLINE void b32_rows(const int type, const uint8_t *row, i
 #define R16_ROWS 8
 VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, int64_t groups,
                                            const int8_t *qx, const float *dx, const int32_t *sx,
-                                           int64_t K, const int R, __m512 *acc) {
+                                           int64_t K, const int R, const int32_t *ix, __m512 *acc) {
     const int64_t bytes = 16 * pg_b32_bytes(base); /* a block of the 16 rows */
     const int affine = base == 3, head = affine ? 64 : 32;
     const int off = base == 2 ? 8 : base == 8 ? 128 : 0;
@@ -845,11 +860,21 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         const __m512 m = affine ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)))
                                 : _mm512_setzero_ps();
+        UNROLL_ROWS
         for (int r = 0; r < R; r++)
-            acc[r] = pg_tile_row(w, s, m, affine, off, qx + r * K + 32 * g, dx[r * (K / 32) + g],
-                                 sx[r * (K / 16) + 2 * g], sx[r * (K / 16) + 2 * g + 1], acc[r]);
+            acc[r] = pg_tile_row(w, s, m, affine, off, qx + ROW(ix, r) * K + 32 * g, dx[ROW(ix, r) * (K / 32) + g],
+                                 sx[ROW(ix, r) * (K / 16) + 2 * g], sx[ROW(ix, r) * (K / 16) + 2 * g + 1], acc[r]);
     }
 }
+
+/* A 16-row block of one of the 16-row layouts against R input rows (ix: a list of them). */
+#define R16_CALL(type, w16, qx, dx, sx, K, r, ix, acc)                                     \
+    (type == PG_Q4_K_R16   ? k16_rows(w16, K / 256, 0, qx, dx, sx, K, r, ix, acc)          \
+     : type == PG_Q5_K_R16 ? k16_rows(w16, K / 256, 1, qx, dx, sx, K, r, ix, acc)          \
+     : type == PG_Q6_K_R16 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, ix, acc)           \
+     : type == PG_Q4_0_R16 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, ix, acc)           \
+     : type == PG_Q4_1_R16 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, ix, acc)           \
+                           : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, ix, acc))
 
 /* Weight rows [n0, n1) (multiples of 16) of one of the 16-row layouts (pg_rows16) against
  * the P quantized rows, R16_ROWS input rows a pass. */
@@ -864,13 +889,7 @@ VNNI512 static void range_tiles(int type, const uint8_t *W, int64_t row_bytes, i
             const float *dx = DX + m0 * (K / 32);
             const int32_t *sx = SX + m0 * (K / 16);
             __m512 acc[R16_ROWS];
-#define R16_BASES(r)                                                                      \
-    (type == PG_Q4_K_R16   ? k16_rows(w16, K / 256, 0, qx, dx, sx, K, r, acc)               \
-     : type == PG_Q5_K_R16 ? k16_rows(w16, K / 256, 1, qx, dx, sx, K, r, acc)               \
-     : type == PG_Q6_K_R16 ? q6_16_rows(w16, K / 256, qx, dx, sx, K, r, acc)                \
-     : type == PG_Q4_0_R16 ? r16_rows(2, w16, K / 32, qx, dx, sx, K, r, acc)                \
-     : type == PG_Q4_1_R16 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, acc)                \
-                           : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, acc))
+#define R16_BASES(r) R16_CALL(type, w16, qx, dx, sx, K, r, NULL, acc)
             switch (R) { /* each count and type compiled apart: unrolled, no masks */
                 case 1: R16_BASES(1); break;
                 case 2: R16_BASES(2); break;
@@ -891,6 +910,136 @@ VNNI512 static void range_tiles(int type, const uint8_t *W, int64_t row_bytes, i
             }
         }
     }
+}
+
+/* One 16-row block of a head (w16) against P quantized rows, the i-th row ix[i] of QX (no
+ * list: row i): result row yr[i] (no list: i) of Y, its block's 16 columns, gets the sums,
+ * or with `add` has them added, as range_tiles adds a row's second level to its first;
+ * with tmax, tmax[that row * ldt] is then the largest of the 16. */
+VNNI512 static ALWAYS_INLINE void head_tile(int type, const uint8_t *w16, int64_t K,
+                                            const int8_t *QX, const float *DX, const int32_t *SX,
+                                            const int32_t *ix, int64_t P, int add, int64_t ldt,
+                                            float *Y, int64_t ldy, const int32_t *yr, float *tmax) {
+    for (int64_t m0 = 0; m0 < P; m0 += R16_ROWS) {
+        const int R = P - m0 < R16_ROWS ? (int)(P - m0) : R16_ROWS;
+        const int32_t *rows = ix != NULL ? ix + m0 : NULL;
+        const int8_t *qx = ix != NULL ? QX : QX + m0 * K;
+        const float *dx = ix != NULL ? DX : DX + m0 * (K / 32);
+        const int32_t *sx = ix != NULL ? SX : SX + m0 * (K / 16);
+        __m512 acc[R16_ROWS];
+#define R16_LISTED(r) R16_CALL(type, w16, qx, dx, sx, K, r, rows, acc)
+        switch (R) {
+            case 1: R16_LISTED(1); break;
+            case 2: R16_LISTED(2); break;
+            case 3: R16_LISTED(3); break;
+            case 4: R16_LISTED(4); break;
+            case 5: R16_LISTED(5); break;
+            case 6: R16_LISTED(6); break;
+            case 7: R16_LISTED(7); break;
+            default: R16_LISTED(8); break;
+        }
+#undef R16_LISTED
+        for (int r = 0; r < R; r++) {
+            const int64_t m = yr != NULL ? yr[m0 + r] : m0 + r;
+            float *y = Y + m * ldy;
+            const __m512 v = add ? _mm512_add_ps(_mm512_loadu_ps(y), acc[r]) : acc[r];
+            _mm512_storeu_ps(y, v);
+            if (tmax != NULL) tmax[m * ldt] = _mm512_reduce_max_ps(v);
+        }
+    }
+}
+
+/* pg_head_q8's first pass: blocks [t0, t1) against the M rows' first levels (QX, DX, SX:
+ * those rows alone, in order), and each block's largest logit per row (tmax, [M][T]). */
+VNNI512 static void head_first(int type, const uint8_t *W, int64_t row_bytes, int64_t t0,
+                               int64_t t1, int64_t T, int64_t K, const int8_t *QX,
+                               const float *DX, const int32_t *SX, int64_t M, float *Y,
+                               int64_t ldy, float *tmax) {
+    for (int64_t t = t0; t < t1; t++)
+        head_tile(type, W + 16 * t * row_bytes, K, QX, DX, SX, NULL, M, 0, T, Y + 16 * t, ldy,
+                  NULL, tmax + t);
+}
+
+/* How far pg_head_q8 widens its bounds for float rounding: the bound times HEAD_BOUND_GROW
+ * (a block's sum of K/32 groups rounds at ~K/32 * 2^-24 of the bound's terms, 8e-6 at
+ * K = 4096), plus HEAD_SLACK of the two logits compared (the last add's rounding). */
+#define HEAD_BOUND_GROW 1.001f
+#define HEAD_SLACK 1e-6f
+
+/* pg_head_q8 between its passes, for the team's share of the rows: row m's top
+ * first-level logit, the bound of the (first) block that holds it, and which blocks may
+ * hold its top logit once both levels are in: bit t % 32 of cand[m][t / 32] where block t's largest
+ * first-level logit plus its bound (bounds [G][T] times the row's second level's 1-norm
+ * per group, r1 [M][G]) reaches the top less that block's bound. */
+VNNI512 static void head_candidates(int64_t M, int64_t T, int64_t G, const float *bounds,
+                                    const float *r1, const float *tmax, uint32_t *cand,
+                                    int64_t ldc, const pg_team *team) {
+    const __m512 grow = _mm512_set1_ps(HEAD_BOUND_GROW), slack = _mm512_set1_ps(HEAD_SLACK);
+    int64_t lo, hi;
+    pg_share(M, team, &lo, &hi);
+    for (int64_t m = lo; m < hi; m++) {
+        const float *mt = tmax + m * T, *r = r1 + m * G;
+        __m512 most = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < T; t += 16) {
+            const __mmask16 k = T - t < 16 ? (__mmask16)((1u << (T - t)) - 1) : 0xFFFF;
+            most = _mm512_mask_max_ps(most, k, most, _mm512_maskz_loadu_ps(k, mt + t));
+        }
+        const float top = _mm512_reduce_max_ps(most);
+        int64_t at = 0; /* the first block of the largest, as argmax */
+        while (at < T - 1 && !(mt[at] >= top)) at++;
+        float bt = 0.0f;
+        for (int64_t g = 0; g < G; g++) bt = fmaf(bounds[g * T + at], r[g], bt);
+        const __m512 tp = _mm512_set1_ps(top), atp = _mm512_abs_ps(tp);
+        const __m512 need = _mm512_set1_ps(top - bt * HEAD_BOUND_GROW);
+        for (int64_t t0 = 0; t0 < T; t0 += 32) { /* two vectors of 16 blocks: two sums */
+            const __mmask16 k0 = T - t0 < 16 ? (__mmask16)((1u << (T - t0)) - 1) : 0xFFFF;
+            const __mmask16 k1 = T - t0 <= 16 ? 0 : T - t0 < 32 ? (__mmask16)((1u << (T - t0 - 16)) - 1) : 0xFFFF;
+            __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(r[g]);
+                b0 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(k0, bounds + g * T + t0), b0);
+                b1 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(k1, bounds + g * T + t0 + 16), b1);
+            }
+            const __m512 x0 = _mm512_maskz_loadu_ps(k0, mt + t0), x1 = _mm512_maskz_loadu_ps(k1, mt + t0 + 16);
+            const __m512 reach0 = _mm512_add_ps(_mm512_fmadd_ps(b0, grow, x0),
+                                                _mm512_mul_ps(slack, _mm512_add_ps(_mm512_abs_ps(x0), atp)));
+            const __m512 reach1 = _mm512_add_ps(_mm512_fmadd_ps(b1, grow, x1),
+                                                _mm512_mul_ps(slack, _mm512_add_ps(_mm512_abs_ps(x1), atp)));
+            const __mmask16 c0 = _mm512_mask_cmp_ps_mask(k0, reach0, need, _CMP_GE_OQ);
+            const __mmask16 c1 = _mm512_mask_cmp_ps_mask(k1, reach1, need, _CMP_GE_OQ);
+            cand[m * ldc + t0 / 32] = (uint32_t)c0 | (uint32_t)c1 << 16;
+        }
+    }
+}
+
+/* pg_head_q8's second pass over blocks [t0, t1): the second level of the rows that
+ * head_candidates marked for a block, added. Returns the (row, block) pairs that took it. */
+VNNI512 static int64_t head_second(int type, const uint8_t *W, int64_t row_bytes, int64_t t0,
+                                   int64_t t1, int64_t K, const int8_t *QX, const float *DX,
+                                   const int32_t *SX, int64_t M, const uint32_t *cand,
+                                   int64_t ldc, int32_t *ix, int32_t *yr, float *Y, int64_t ldy) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int64_t taken = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t n = 0;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const __mmask16 valid = M - m0 < 16 ? (__mmask16)((1u << (M - m0)) - 1) : 0xFFFF;
+            const __m512i rows = _mm512_add_epi32(lane, _mm512_set1_epi32((int)m0));
+            const __m512i words = _mm512_mask_i32gather_epi32(
+                _mm512_setzero_si512(), valid,
+                _mm512_add_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32((int)ldc)), _mm512_set1_epi32((int)(t / 32))),
+                (const int *)cand, 4);
+            const __mmask16 k = _mm512_mask_test_epi32_mask(valid, words, _mm512_set1_epi32((int)(1u << (t % 32))));
+            _mm512_mask_compressstoreu_epi32(yr + n, k, rows);
+            n += __builtin_popcount(k);
+        }
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) ix[i] = 2 * yr[i] + 1;
+        if (ix == NULL) __builtin_unreachable(); /* ROW's test folds away */
+        head_tile(type, W + 16 * t * row_bytes, K, QX, DX, SX, ix, n, 1, 0, Y + 16 * t, ldy, yr, NULL);
+        taken += n;
+    }
+    return taken;
 }
 
 #define BY_ROWS(CALL_R)   \
@@ -1073,6 +1222,126 @@ int pg_gemm_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
             pg_gemm_q8_chunk(type, W, row_bytes, N, K, QX, DX, SX, M, levels, Y, ldy, NULL, c);
     }
     return 0;
+}
+
+/* The logits head in two int8 levels where they can change its top logit
+ * (HEAD_INT8_LEVELS, gguf.py). x_m is given in two levels (pg_quantize_q8, L = 2: rows 2m
+ * and 2m + 1 of QX). Every logit takes the first level; a 16-row block of W takes the
+ * second for row m only where its bound (`bounds`, pg_head_bounds) leaves room for the
+ * block to hold row m's top two-level logit. Those logits are pg_gemm_q8's two-level bits,
+ * the others its one-level bits, each within its bound of the two-level one: so every
+ * row's top logit, and where it is, are the two-level product's. `pairs` gets how many
+ * (row, block) pairs took the second level. -1 where this kernel is not there (no AVX-512
+ * VNNI, a type not in a 16-row layout), -2 when memory ran out. */
+int pg_head_q8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+               const int8_t *QX, const float *DX, const int32_t *SX, int64_t M,
+               const float *bounds, float *Y, int64_t ldy, int64_t *pairs) {
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+    if (!vnni512() || !pg_rows16(type) || N % 16 || K % 32 || M < 1 || M > INT32_MAX / 2)
+        return -1;
+    const int64_t T = N / 16, G = K / 32;
+    /* one scratch, kept by the calling thread between calls (a fresh allocation of this size
+     * is an mmap and its page faults, at every decode step): the second levels' 1-norms per
+     * group [M][G], the blocks' largest first-level logits [M][T], the candidate marks
+     * [M][T / 32] (bits), the first levels' scales, sums and values */
+    static _Thread_local void *scratch = NULL;
+    static _Thread_local size_t scratch_bytes = 0;
+    const size_t bytes = sizeof(float) * (size_t)(M * G * 2 + M * T) +
+                         sizeof(int32_t) * (size_t)(M * (K / 16) + M * ((T + 31) / 32)) + (size_t)(M * K);
+    if (bytes > scratch_bytes) {
+        void *grown = realloc(scratch, bytes);
+        if (grown == NULL) return -2;
+        scratch = grown;
+        scratch_bytes = bytes;
+    }
+    float *r1 = scratch, *d1 = r1 + M * G, *tmax = d1 + M * G;
+    int32_t *s1 = (int32_t *)(tmax + M * T);
+    uint32_t *cand = (uint32_t *)(s1 + M * (K / 16));
+    int8_t *q1 = (int8_t *)(cand + M * ((T + 31) / 32));
+    for (int64_t m = 0; m < M; m++) {
+        /* the first levels on their own, in order (the kernels' plain rows) */
+        memcpy(q1 + m * K, QX + 2 * m * K, (size_t)K);
+        memcpy(d1 + m * G, DX + 2 * m * G, sizeof(float) * (size_t)G);
+        memcpy(s1 + m * (K / 16), SX + 2 * m * (K / 16), sizeof(int32_t) * (size_t)(K / 16));
+        const int8_t *q = QX + (2 * m + 1) * K;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t a = 0;
+            for (int i = 0; i < 32; i++) a += abs(q[32 * g + i]);
+            r1[m * G + g] = DX[(2 * m + 1) * G + g] * (float)a;
+        }
+    }
+    const int64_t per = q8_chunk_rows(row_bytes) / 16, chunks = (T + per - 1) / per;
+    pg_barrier barrier = {0};
+    barrier.spin_ns = pg_team_spin_ns;
+    int64_t total = 0;
+    int failed = 0;
+#pragma omp parallel if (N * K * M >= Q8_PARALLEL_MIN) reduction(+ : total) reduction(| : failed)
+    {
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        int64_t taken = 0;
+        for (int64_t c; (c = pg_claim(&team, chunks, &taken)) >= 0;)
+            head_first(type, W, row_bytes, c * per, (c + 1) * per < T ? (c + 1) * per : T, T, K,
+                       q1, d1, s1, M, Y, ldy, tmax);
+        pg_team_sync(&team);
+        head_candidates(M, T, G, bounds, r1, tmax, cand, (T + 31) / 32, &team);
+        pg_claim_reset(&team);
+        pg_team_sync(&team);
+        int32_t *list = malloc(sizeof(int32_t) * 2 * (size_t)(M + 16));
+        taken = 0;
+        for (int64_t c; (c = pg_claim(&team, chunks, &taken)) >= 0;) {
+            if (list == NULL) {
+                failed = 1;
+                continue;
+            }
+            const int64_t t0 = c * per, t1 = t0 + per < T ? t0 + per : T;
+            total += head_second(type, W, row_bytes, t0, t1, K, QX, DX, SX, M, cand, (T + 31) / 32, list,
+                                 list + M + 16, Y, ldy);
+        }
+        free(list);
+    }
+    if (pairs != NULL) *pairs = total;
+    return failed ? -2 : 0;
+#else
+    (void)type; (void)W; (void)row_bytes; (void)N; (void)K; (void)QX; (void)DX; (void)SX;
+    (void)M; (void)bounds; (void)Y; (void)ldy; (void)pairs;
+    return -1;
+#endif
+}
+
+void pg_dequant_row(int type, const uint8_t *W, int64_t row_bytes, int64_t n, int64_t K, float *out);
+
+/* pg_head_q8's bounds: bounds[g, t] is the largest |weight| in rows 16t .. 16t + 15,
+ * values 32g .. 32g + 31 (the rows as pg_dequant_row gives them). */
+int pg_head_bounds(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                   float *bounds) {
+    if (N % 16 || K % 32) return -1;
+    int failed = 0;
+#pragma omp parallel if (N * K >= 1 << 20) reduction(| : failed)
+    {
+        float *row = malloc(sizeof(float) * (size_t)K);
+        failed |= row == NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < N / 16; t++) {
+            for (int64_t g = 0; g < K / 32; g++) bounds[g * (N / 16) + t] = 0.0f;
+            for (int64_t n = 16 * t; row != NULL && n < 16 * t + 16; n++) {
+                pg_dequant_row(type, W, row_bytes, n, K, row);
+                for (int64_t g = 0; g < K / 32; g++) { /* |w| as its bits: the same order */
+                    uint32_t most = 0, bits[32];
+                    memcpy(bits, row + 32 * g, sizeof bits);
+                    for (int i = 0; i < 32; i++) {
+                        const uint32_t a = bits[i] & 0x7FFFFFFFu;
+                        most = a > most ? a : most;
+                    }
+                    float w;
+                    memcpy(&w, &most, sizeof w);
+                    float *b = bounds + g * (N / 16) + t;
+                    *b = fmaxf(*b, w);
+                }
+            }
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
 }
 
 int pg_q8_isa(void) {

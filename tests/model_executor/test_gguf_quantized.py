@@ -474,6 +474,65 @@ def test_head_takes_two_int8_levels_at_any_row_count() -> None:
     assert np.linalg.norm(y.numpy() - want) / np.linalg.norm(want) <= 1e-5
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
+def test_head_takes_its_second_level_only_where_it_can_change_the_top_logit(qtype: str) -> None:
+    """The logits head with its weights in a 16-row layout (AVX-512 VNNI): pg_head_q8 gives
+    each 16-row block of a row's logits either the two-level product's bits (pg_gemm_q8,
+    two levels) or the first level's (one level), the first within the block's bound of
+    the two-level logits; every row's top logit and its token are the two-level product's,
+    also in rows built as near-ties where one level alone picks another token; fewer than
+    a quarter of the (row, block) pairs take the second level; a row alone gets the bits
+    it gets among the others."""
+    lib = kernels.load_kernels()
+    if lib.pg_q8_isa() != 2:
+        pytest.skip("this CPU has no AVX-512 VNNI (the head's weights keep the file's layout)")
+    rng = np.random.default_rng(5)
+    n, k = 16 * 160, 512
+    plain = np.ascontiguousarray(random_blocks(qtype, n, k, rng))
+    if qtype == "Q8_0":
+        data, t = np.empty_like(plain), gguf_method.R16_TYPES[8]
+        assert lib.pg_repack_r16(t, plain.ctypes.data, plain.shape[1], n, k, data.ctypes.data) == 0
+    else:
+        data, t = _repack_k(lib, qtype, plain, n, k), K_R16[qtype][1]
+    ref = _reference(plain, qtype, n, k)
+    layer = torch.nn.Module()
+    layer.weight_groups = [gguf_method.WeightGroup(t, data, 0, n)]
+    layer.in_features, layer.out_features = k, n
+    head = gguf_method.GGUFLinearMethod(q8_activations=True, int8_levels=2, repack=True, head=True)
+    head.prepare_head(layer)
+    assert [tuple(b.shape) for b in layer.head_bounds] == [(k // 32, n // 16)]
+    # near-ties: a + b + g (a - b) with the same product with weight rows a and b, so that
+    # one level's rounding decides between them
+    a, b = (ref[rng.integers(0, n, size=400)] for _ in range(2))
+    d = a - b
+    g = -((a * a).sum(1) - (b * b).sum(1)) / (d * d).sum(1)
+    ties = a + b + g[:, None] * d
+    ties = ties / np.linalg.norm(ties, axis=1, keepdims=True) * 8
+    ties = torch.from_numpy((ties + rng.standard_normal(ties.shape) * 1e-4).astype(np.float32))
+
+    def product(x: torch.Tensor, levels: int) -> torch.Tensor:
+        return gguf_method.gguf_matmul(layer.weight_groups, x, n, slice(0, x.shape[0]),
+                                       float_direct_rows=0, int8_levels=levels)
+
+    flipped = (product(ties, 1).argmax(1) != product(ties, 2).argmax(1)).nonzero().flatten()
+    assert len(flipped) >= 2, "no near-tie that one level decides otherwise: the test is void"
+    x = torch.cat([torch.from_numpy(rng.standard_normal((38, k)).astype(np.float32)), ties[flipped[:4]]])
+    y, one, two = head.apply(layer, x), product(x, 1), product(x, 2)
+    blocks = lambda a: a.view(x.shape[0], n // 16, 16)  # noqa: E731
+    took = (blocks(y) == blocks(two)).all(-1)
+    kept = (blocks(y) == blocks(one)).all(-1)
+    assert bool((took | kept).all())
+    assert 0 < int(took.sum()) < x.shape[0] * (n // 16) // 4
+    assert torch.equal(y.argmax(1), two.argmax(1)) and torch.equal(y.max(1).values, two.max(1).values)
+    assert not torch.equal(one.argmax(1), two.argmax(1))  # the near-ties are in
+    qx, dx, _ = gguf_method._quantize_q8(lib, x.contiguous(), 2)
+    norms = (dx[1::2] * qx[1::2].view(x.shape[0], -1, 32).abs().sum(-1).float())  # [M, K/32]
+    bound = norms @ layer.head_bounds[0]
+    assert bool(((blocks(one) - blocks(two)).abs().amax(-1) <= bound * 1.001 + 1e-6).all())
+    alone = torch.cat([head.apply(layer, x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(y, alone)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_q8_block32_kernels_every_row_length(qtype: str, q8_isa: Any) -> None:
     """The 32-block kernels take whole chunks of 8 blocks, then the rest (unrolled for 2, 4

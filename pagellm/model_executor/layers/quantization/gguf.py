@@ -57,7 +57,15 @@ logits whose top two are often close; one level there changed the default model'
 token of its README answer ("The capital of France is Paris." -> "L'Étoile, la Cité, ...").
 A second level costs one more int8 pass over the head's rows (each weight row unpacked
 once for both): on the default model (a Q8_0 head of 49152 x 576, 2 threads) 0.98 ms
-against 0.68 ms for one level, 3-5% of its decode step. From AMX_MIN_ROWS rows, where the
+against 0.68 ms for one level, 3-5% of its decode step. Where its weights are in a 16-row
+layout (AVX-512 VNNI), the second level goes only to the 16-row blocks of the weights that
+can hold a row's top logit (_head_product, kernels/ggml_q8.c pg_head_q8): the other logits
+keep the first level (llama.cpp's one), within a bound of the two-level ones, so each row's
+top logit and its token are the two-level product's. On the default model's head with its
+inputs from real text, a row's second level reaches 130-450 of its 3072 blocks; 2 threads
+on an AMD EPYC, 64 rows 7.4-8.3 ms against 10.8-11.0 ms for two levels everywhere, 16 rows
+2.0-2.2 against 2.8, 8 rows 1.0 against 1.4 (weights in cache), 1 row 0.41 against 0.36 (a
+row alone gets the numbers it gets in a batch). From AMX_MIN_ROWS rows, where the
 CPU has AMX-BF16, the head runs on AMX tiles in bfloat16 instead (GGUFLinearMethod.apply):
 the default model's head at 64 rows 7.7 ms against 30.9 ms in float32 tiles (one thread).
 Where the CPU has AVX-512 VNNI but no AMX, the head takes its two int8 levels at any row
@@ -348,6 +356,29 @@ class GGUFLinearMethod(QuantizeMethodBase):
             groups = [_repacked(g, layer.in_features) for g in groups]
         layer.weight_groups = groups
         layer.loaded_parts = []
+        self.prepare_head(layer)
+
+    def prepare_head(self, layer: nn.Module) -> None:
+        """`layer.head_bounds`: for a head in two int8 levels whose groups are all in a
+        16-row layout (repacked where the CPU has AVX-512 VNNI), each group's bound per
+        block of 16 rows and 32 inputs (pg_head_bounds), which lets `apply` take the second
+        level only where it can change a row's top logit (_head_product); else None."""
+        layer.head_bounds = None
+        k = layer.in_features
+        if not (self.head and self.q8_activations and self.int8_levels == 2 and self.repack
+                and k % 32 == 0 and layer.weight_groups):
+            return
+        lib = _kernels()
+        if lib.pg_q8_isa() != 2 or any(g.qtype not in ROWS16_TYPES or g.rows % 16
+                                       for g in layer.weight_groups):
+            return
+        bounds = []
+        for g in layer.weight_groups:
+            b = torch.empty(k // 32, g.rows // 16, dtype=torch.float32)
+            if lib.pg_head_bounds(g.qtype, g.ptr, g.row_bytes, g.rows, k, b.data_ptr()):
+                return
+            bounds.append(b)
+        layer.head_bounds = bounds
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -364,9 +395,15 @@ class GGUFLinearMethod(QuantizeMethodBase):
             rows = int8_rows(x.shape[0])
             if rows is None and self.head and _kernels().pg_q8_isa() == 2:
                 rows = slice(0, x.shape[0])  # every row in two int8 levels (HEAD_INT8_LEVELS)
-            y = gguf_matmul(layer.weight_groups, x, layer.out_features, rows,
-                            float_direct_rows=0, int8_levels=self.int8_levels,
-                            int8_prompt=self.int8_levels == 1)
+            y = None
+            if (getattr(layer, "head_bounds", None) is not None and isinstance(rows, slice)
+                    and (rows.start, rows.stop) == (0, x.shape[0])):
+                y = _head_product(_kernels(), layer.weight_groups, layer.head_bounds, x,
+                                  layer.out_features)
+            if y is None:
+                y = gguf_matmul(layer.weight_groups, x, layer.out_features, rows,
+                                float_direct_rows=0, int8_levels=self.int8_levels,
+                                int8_prompt=self.int8_levels == 1)
         else:
             y = gguf_matmul(layer.weight_groups, x, layer.out_features)
         return y if bias is None else y + bias
@@ -402,6 +439,9 @@ Q4_K_R16_TYPE, Q5_K_R16_TYPE, Q6_K_R16_TYPE = (K_R16_TYPES[t][0] for t in (12, 1
 R16_TYPES = {2: 102, 3: 103, 8: 108}
 """Q4_0, Q4_1 and Q8_0 rows repacked sixteen at a time (ggml_common.h PG_Q4_0_R16 ...): the
 file's type -> pagellm's layout, read by the kernels wherever they read the file's type."""
+
+ROWS16_TYPES = frozenset(R16_TYPES.values()) | {t for t, _ in K_R16_TYPES.values()}
+"""pagellm's 16-row layouts (ggml_common.h pg_rows16)."""
 
 TYPE_NAMES = {Q4_K_R16_TYPE: "Q4_K_R16", Q5_K_R16_TYPE: "Q5_K_R16", Q6_K_R16_TYPE: "Q6_K_R16",
               **{r16: f"{gguf.GGMLQuantizationType(t).name}_R16" for t, r16 in R16_TYPES.items()}}
@@ -815,6 +855,29 @@ def gguf_matmul(groups: list[WeightGroup], x: torch.Tensor, n_out: int,
     return y
 
 
+def _head_product(lib: Any, groups: list[WeightGroup], bounds: list[torch.Tensor],
+                  x: torch.Tensor, n_out: int) -> torch.Tensor | None:
+    """The logits head's x @ W.T with x in two int8 levels where they can change a row's
+    top logit, else one (pg_head_q8): each row's top logit and its token are the two-level
+    product's (HEAD_INT8_LEVELS), the logits that cannot be it are llama.cpp's one level.
+    None where the kernel is not there (pg_q8_wide 0)."""
+    if x.dtype != torch.float32 or x.shape[0] == 0:
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    qx, dx, sx = _quantize_q8(lib, x, 2)
+    y = torch.empty(m, n_out, dtype=torch.float32)
+    for g, b in zip(groups, bounds, strict=True):
+        rc = lib.pg_head_q8(g.qtype, g.ptr, g.row_bytes, g.rows, k, qx.data_ptr(), dx.data_ptr(),
+                            sx.data_ptr(), m, b.data_ptr(), y.data_ptr() + 4 * g.row_start, n_out,
+                            None)
+        if rc == -1:
+            return None
+        if rc:
+            raise MemoryError("the logits head's int8 kernel ran out of memory")
+    return y
+
+
 def _int8_prompt_product(lib: Any, groups: list[WeightGroup], x: torch.Tensor,
                          n_out: int) -> tuple[torch.Tensor, list[WeightGroup]]:
     """x @ W.T with x rounded to int8 (one level) for the groups the int8 GEMM takes, into
@@ -935,3 +998,4 @@ class GGUFEmbeddingMethod:
             layer.weight_groups = [_repacked(g, layer.embedding_dim) for g in layer.weight_groups]
         head.weight_groups = list(layer.weight_groups)
         head.loaded_parts = []
+        head.quant_method.prepare_head(head)
