@@ -441,10 +441,30 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
     }
 }
 
-/* R input rows (1..4) against a tile: acc[r] holds the 16 rows' sums for input row r. */
+/* The scalar each input row's group gives every tile's float step, computed once a call
+ * instead of once a tile: AFFINE d * (float)(sum q) (the minimums' factor), SIGNED32
+ * off * sum q (the zero point's integer). SIGNED16 keeps its two sums (pg_tile_row16). */
+typedef union {
+    float f;
+    int32_t i;
+} group_term;
+
+static void group_terms(int kind, int off, const float *DX, const int32_t *SX, int64_t M, int64_t G,
+                        group_term *terms) {
+    for (int64_t i = 0; i < M * G; i++) {
+        const int32_t sum = SX[2 * i] + SX[2 * i + 1];
+        if (kind == AFFINE) terms[i].f = DX[i] * (float)sum;
+        else terms[i].i = off * sum;
+    }
+}
+
+/* R input rows (1..4) against a tile: acc[r] holds the 16 rows' sums for input row r. One
+ * chain of VNNI sums per row (the R rows are the independent chains), and the float step
+ * of pg_tile_row with its per-group scalars from `terms` (the same operations, the same
+ * bits). */
 static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
     const int R, const int kind, int off, const uint8_t *tile, int64_t G, const int8_t *const *q,
-    const float *const *d, const int32_t *const *sums, __m512 *acc) {
+    const float *const *d, const int32_t *const *sums, const group_term *const *terms, __m512 *acc) {
     const int64_t stride = group_bytes(kind);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
@@ -454,38 +474,53 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
         __m512i w[8];
         for (int c = 0; c < 8; c++) w[c] = _mm512_loadu_si512((const void *)(t + 64 * c));
         const __m512 s = _mm512_loadu_ps(f);
-        /* the tile holds minus the minimums (unpack_group's m) */
-        const __m512 mins = kind == AFFINE ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(f + 16))
-                                           : _mm512_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const float dg = d[r][g];
-            const int32_t s0 = sums[r][2 * g], s1 = sums[r][2 * g + 1];
-            if (kind == SIGNED16) {
-                acc[r] = pg_tile_row16(w, s, _mm512_loadu_ps(f + 16), off, q[r] + 32 * g, dg, s0, s1, acc[r]);
-                continue;
+        if (kind == SIGNED16) {
+            for (int r = 0; r < R; r++)
+                acc[r] = pg_tile_row16(w, s, _mm512_loadu_ps(f + 16), off, q[r] + 32 * g, d[r][g],
+                                       sums[r][2 * g], sums[r][2 * g + 1], acc[r]);
+            continue;
+        }
+        __m512i sum[4];
+        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++)
+            for (int r = 0; r < R; r++) {
+                const pg_i32u *x4 = (const pg_i32u *)(q[r] + 32 * g);
+                sum[r] = _mm512_dpbusd_epi32(sum[r], w[c], _mm512_set1_epi32(x4[c]));
             }
-            acc[r] = pg_tile_row(w, s, mins, kind == AFFINE, off, q[r] + 32 * g, dg, s0, s1, acc[r]);
+        if (kind == AFFINE) {
+            const __m512 neg_mins = _mm512_loadu_ps(f + 16); /* the tile holds minus the minimums */
+            for (int r = 0; r < R; r++) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(d[r][g])), acc[r]);
+                acc[r] = _mm512_fnmadd_ps(neg_mins, _mm512_set1_ps(terms[r][g].f), acc[r]);
+            }
+        } else {
+            for (int r = 0; r < R; r++) {
+                const __m512i z = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(terms[r][g].i));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(s, _mm512_set1_ps(d[r][g])), acc[r]);
+            }
         }
     }
 }
 
 /* Every input row against one tile, 4 at a time, into Y's columns [r0, r0 + n). */
 static VNNI512 void tile_vnni(int kind, int off, const uint8_t *tile, int64_t G, const int8_t *QX,
-                              const float *DX, const int32_t *SX, int64_t M, int64_t K, float *Y,
-                              int64_t ldy, int64_t r0, int64_t n) {
+                              const float *DX, const int32_t *SX, const group_term *terms, int64_t M,
+                              int64_t K, float *Y, int64_t ldy, int64_t r0, int64_t n) {
     const __mmask16 keep = (__mmask16)((1u << n) - 1);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int R = (int)(M - m0 < 4 ? M - m0 : 4);
         const int8_t *q[4];
         const float *d[4];
         const int32_t *sums[4];
+        const group_term *tm[4];
         for (int r = 0; r < R; r++) {
             q[r] = QX + (m0 + r) * K;
-            d[r] = DX + (m0 + r) * (K / 32);
-            sums[r] = SX + (m0 + r) * (K / 16);
+            d[r] = DX + (m0 + r) * G;
+            sums[r] = SX + (m0 + r) * 2 * G;
+            tm[r] = terms + (m0 + r) * G;
         }
         __m512 acc[4];
-#define ROWS(n_, k_) rows_vnni(n_, k_, off, tile, G, q, d, sums, acc)
+#define ROWS(n_, k_) rows_vnni(n_, k_, off, tile, G, q, d, sums, tm, acc)
 #define KINDS(n_)                                                                           \
     if (kind == AFFINE) ROWS(n_, AFFINE);                                                   \
     else if (kind == SIGNED32) ROWS(n_, SIGNED32);                                          \
@@ -512,15 +547,29 @@ void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
     const int64_t G = K / 32, tiles = (N + 15) / 16;
     int64_t t0, t1;
     pg_share(tiles, team, &t0, &t1);
+#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
+    if (pg_i8gemm_fast() && t0 < t1) {
+        /* each thread its own copy of the per-group scalars (M * G: small beside its tiles) */
+        static _Thread_local group_term *terms = NULL;
+        static _Thread_local int64_t terms_cap = 0;
+        if (terms_cap < M * G) {
+            group_term *grown = realloc(terms, (size_t)(M * G) * sizeof(group_term));
+            if (grown == NULL) goto portable; /* the portable loops need no scratch */
+            terms = grown;
+            terms_cap = M * G;
+        }
+        if (kind != SIGNED16) group_terms(kind, off, DX, SX, M, G, terms);
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
+            unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
+            tile_vnni(kind, off, tile, G, QX, DX, SX, terms, M, K, Y, ldy, r0, n);
+        }
+        return;
+    }
+portable:
+#endif
     for (int64_t t = t0; t < t1; t++) {
         const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
-#if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
-        if (pg_i8gemm_fast()) {
-            unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
-            tile_vnni(kind, off, tile, G, QX, DX, SX, M, K, Y, ldy, r0, n);
-            continue;
-        }
-#endif
         unpack_tile(type, kind, W, row_bytes, N, r0, G, tile);
         for (int64_t m = 0; m < M; m++) {
             float out[16];
