@@ -177,6 +177,29 @@ PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row(
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(dg)), acc);
 }
 
+/* pg_tile_row for R input rows at once, R >= 4: four rows are the independent chains, one
+ * chain of VNNI sums each (no even and odd halves to add), a signed type's chain starting
+ * from -off times the row's sum of values (no subtraction). The same integer sums and the
+ * same float steps as pg_tile_row: the same bits. x[r]: input row r's 32 values of the
+ * group, dg[r] its scale, sq[r] the sum of its values (s0 + s1). */
+PG_VNNI512 static inline __attribute__((always_inline)) void pg_tile_rows(
+    const int R, const __m512i *w, __m512 s, __m512 m, const int affine, int off,
+    const int8_t *const *x, const float *dg, const int32_t *sq, __m512 *acc) {
+    for (int r0 = 0; r0 < R; r0 += 4) { /* four rows' chains at a time: the registers hold them */
+        const int n = R - r0 < 4 ? R - r0 : 4;
+        __m512i sum[4];
+        for (int r = 0; r < n; r++)
+            sum[r] = affine ? _mm512_setzero_si512() : _mm512_set1_epi32(-off * sq[r0 + r]);
+        for (int c = 0; c < 8; c++)
+            for (int r = 0; r < n; r++)
+                sum[r] = _mm512_dpbusd_epi32(sum[r], w[c], _mm512_set1_epi32(((const pg_i32u *)x[r0 + r])[c]));
+        for (int r = r0; r < r0 + n; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r - r0]), _mm512_mul_ps(s, _mm512_set1_ps(dg[r])), acc[r]);
+            if (affine) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dg[r] * (float)sq[r]), acc[r]);
+        }
+    }
+}
+
 /* pg_tile_row for types scaled per 16 values (Q6_K): the sums of values 0-15 and 16-31
  * each less the zero point times their inputs' sum, each times its scales (s, s2). */
 PG_VNNI512 static inline __attribute__((always_inline)) __m512 pg_tile_row16(

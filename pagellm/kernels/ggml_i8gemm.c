@@ -443,7 +443,8 @@ static VNNI512 void unpack_tile_vec(int type, int kind, const uint8_t *W, int64_
 
 /* The scalar each input row's group gives every tile's float step, computed once a call
  * instead of once a tile: AFFINE d * (float)(sum q) (the minimums' factor), SIGNED32
- * off * sum q (the zero point's integer). SIGNED16 keeps its two sums (pg_tile_row16). */
+ * -off * sum q (the zero point's integer, where its chain of sums starts). SIGNED16 keeps
+ * its two sums (pg_tile_row16). */
 typedef union {
     float f;
     int32_t i;
@@ -454,7 +455,7 @@ static void group_terms(int kind, int off, const float *DX, const int32_t *SX, i
     for (int64_t i = 0; i < M * G; i++) {
         const int32_t sum = SX[2 * i] + SX[2 * i + 1];
         if (kind == AFFINE) terms[i].f = DX[i] * (float)sum;
-        else terms[i].i = off * sum;
+        else terms[i].i = -off * sum;
     }
 }
 
@@ -481,7 +482,8 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
             continue;
         }
         __m512i sum[4];
-        for (int r = 0; r < R; r++) sum[r] = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++)
+            sum[r] = kind == AFFINE ? _mm512_setzero_si512() : _mm512_set1_epi32(terms[r][g].i);
         for (int c = 0; c < 8; c++)
             for (int r = 0; r < R; r++) {
                 const pg_i32u *x4 = (const pg_i32u *)(q[r] + 32 * g);
@@ -494,10 +496,8 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
                 acc[r] = _mm512_fnmadd_ps(neg_mins, _mm512_set1_ps(terms[r][g].f), acc[r]);
             }
         } else {
-            for (int r = 0; r < R; r++) {
-                const __m512i z = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(terms[r][g].i));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(s, _mm512_set1_ps(d[r][g])), acc[r]);
-            }
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(d[r][g])), acc[r]);
         }
     }
 }

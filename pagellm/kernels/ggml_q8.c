@@ -860,6 +860,19 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         const __m512 m = affine ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)))
                                 : _mm512_setzero_ps();
+        if (R >= 4) {
+            const int8_t *x[R16_ROWS];
+            float dg[R16_ROWS];
+            int32_t sq[R16_ROWS];
+            for (int r = 0; r < R; r++) {
+                const int64_t row = ROW(ix, r);
+                x[r] = qx + row * K + 32 * g;
+                dg[r] = dx[row * (K / 32) + g];
+                sq[r] = sx[row * (K / 16) + 2 * g] + sx[row * (K / 16) + 2 * g + 1];
+            }
+            pg_tile_rows(R, w, s, m, affine, off, x, dg, sq, acc);
+            continue;
+        }
         UNROLL_ROWS
         for (int r = 0; r < R; r++)
             acc[r] = pg_tile_row(w, s, m, affine, off, qx + ROW(ix, r) * K + 32 * g, dx[ROW(ix, r) * (K / 32) + g],
