@@ -502,12 +502,21 @@ static inline __attribute__((always_inline)) VNNI512 void rows_vnni(
     }
 }
 
-/* Every input row against one tile, 4 at a time, into Y's columns [r0, r0 + n). */
+/* Every input row against one tile, 4 at a time, into Y's columns [r0, r0 + n); the next
+ * tile's weight bytes (next, next_bytes: none where NULL) are fetched into L2 a few lines
+ * per 4 rows, so that its unpacking does not wait on memory (a decode step's weights
+ * stream from memory once a step: with 64 rows, a fixed cost per tile beside ~16 passes). */
 static VNNI512 void tile_vnni(int kind, int off, const uint8_t *tile, int64_t G, const int8_t *QX,
                               const float *DX, const int32_t *SX, const group_term *terms, int64_t M,
-                              int64_t K, float *Y, int64_t ldy, int64_t r0, int64_t n) {
+                              int64_t K, float *Y, int64_t ldy, int64_t r0, int64_t n,
+                              const uint8_t *next, int64_t next_bytes) {
     const __mmask16 keep = (__mmask16)((1u << n) - 1);
+    const int64_t lines = next != NULL ? (next_bytes + 63) / 64 : 0, passes = (M + 3) / 4;
+    const int64_t per = (lines + passes - 1) / passes;
+    int64_t line = 0;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        for (int64_t u = 0; u < per && line < lines; u++, line++)
+            _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
         const int R = (int)(M - m0 < 4 ? M - m0 : 4);
         const int8_t *q[4];
         const float *d[4];
@@ -562,7 +571,9 @@ void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
         for (int64_t t = t0; t < t1; t++) {
             const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
             unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
-            tile_vnni(kind, off, tile, G, QX, DX, SX, terms, M, K, Y, ldy, r0, n);
+            const int64_t next_rows = t + 1 < t1 ? (N - r0 - 16 < 16 ? N - r0 - 16 : 16) : 0;
+            tile_vnni(kind, off, tile, G, QX, DX, SX, terms, M, K, Y, ldy, r0, n,
+                      next_rows > 0 ? W + (r0 + 16) * row_bytes : NULL, next_rows * row_bytes);
         }
         return;
     }
