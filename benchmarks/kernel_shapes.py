@@ -24,7 +24,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagellm.attention.torch_backend import TorchAttentionBackend, _storage
+from pagellm.attention.torch_backend import (
+    KV_TYPE_CODES,
+    Q8_KV_DTYPE,
+    TorchAttentionBackend,
+    _storage,
+)
 from pagellm.kernels import load_kernels
 from pagellm.model_executor.layers.quantization import gguf as gguf_method
 from pagellm.sample import ops as sample_ops
@@ -86,27 +91,34 @@ def linears(lib, rows: list[int], reps: int) -> None:
 
 
 def decode_attention(lib, reps: int) -> None:
+    """One layer's decode attention over a float32 cache and over a q8_0 cache (the
+    default `--kv-cache-dtype auto` of a GGUF model), the same keys and values."""
     b, h, kvh, d, bs = 64, 9, 3, 64, 16
     lens = np.random.default_rng(0).integers(128, 240, b)
     nb = b * 16
-    k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, bs, kvh, d, torch.float32,
-                                                               torch.device("cpu"))
-    k_store, v_store = _storage(k_cache, v_cache)
-    k_store.normal_()
-    v_store.normal_()
     table = torch.arange(nb).reshape(b, 16)[:, torch.randperm(16)].contiguous()
     lo, hi = torch.zeros(b, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
     q, out = torch.randn(b, h, d), torch.empty(b, h, d)
+    key, value = torch.randn(nb * bs, kvh, d), torch.randn(nb * bs, kvh, d)
+    slots = torch.arange(nb * bs, dtype=torch.long)
+    for dtype, name in ((torch.float32, "float32"), (Q8_KV_DTYPE, "q8_0")):
+        k_cache, v_cache = TorchAttentionBackend.allocate_kv_cache(nb, bs, kvh, d, dtype, torch.device("cpu"))
+        k_store, v_store = _storage(k_cache, v_cache)
+        kv_type = KV_TYPE_CODES[dtype]
+        lib.pg_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), nb * bs, kvh, d,
+                        kv_type, k_store.data_ptr(), v_store.data_ptr(), nb, bs, slots.data_ptr())
 
-    def run() -> None:
-        lib.pg_paged_decode(q.data_ptr(), q.stride(0), b, h, kvh, d, k_store.data_ptr(),
-                            v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
-                            lo.data_ptr(), hi.data_ptr(), int(hi.max()), d**-0.5, 0.0, out.data_ptr())
+        def run(kv_type=kv_type, k_store=k_store, v_store=v_store) -> None:
+            rc = lib.pg_paged_decode(q.data_ptr(), q.stride(0), b, h, kvh, d, kv_type, k_store.data_ptr(),
+                                     v_store.data_ptr(), nb, bs, table.data_ptr(), table.stride(0),
+                                     lo.data_ptr(), hi.data_ptr(), int(hi.max()), d**-0.5, 0.0, out.data_ptr())
+            if rc != 0:
+                raise RuntimeError(f"pg_paged_decode returned {rc}")
 
-    ms = best_ms(run, reps)
-    flops = 4 * b * h * float(lens.mean()) * d
-    print(f"decode attention, {b} requests x {h} heads ({kvh} KV) x {lens.mean():.0f} slots, "
-          f"D={d}: {ms:.3f} ms per layer ({flops / ms / 1e6:.1f} GFLOP/s)")
+        ms = best_ms(run, reps)
+        flops = 4 * b * h * float(lens.mean()) * d
+        print(f"decode attention, {name} cache, {b} requests x {h} heads ({kvh} KV) x {lens.mean():.0f} slots, "
+              f"D={d}: {ms:.3f} ms per layer ({flops / ms / 1e6:.1f} GFLOP/s)")
 
 
 SAMPLING = {
