@@ -78,6 +78,9 @@ int64_t pg_gemm_i8_tile_bytes(int type, int64_t K);
 void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
                      int64_t ldy, uint8_t *tile, const pg_team *team);
+void pg_gemm_i8_tiles(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                      int64_t ldy, uint8_t *tile, int64_t t0, int64_t t1, int64_t after, int same);
 int pg_amx_ready(void);
 int pg_amx_supported(int type, int64_t K);
 int64_t pg_gemm_amx_scratch(int type, int64_t K);
@@ -300,6 +303,36 @@ static void q8_claimed(const pg_linear *L, const pg_step *s, const scratch *sc, 
     }
 }
 
+/* Whether `linear` multiplies group w in the int8 GEMM (its i8 branch). */
+static int i8_group(const pg_weight_group *w, int64_t T, const pg_step *s, int i8, int amx) {
+    return i8 && !amx && w->block <= 0 && T > s->direct_rows && pg_i8gemm_supported((int)w->type);
+}
+
+/* The int8 GEMM's groups of L (i8_group), their 16-row tiles claimed one at a time as the
+ * team goes (one count over all the groups' tiles), as q8_claimed does for the decode
+ * kernels: a static split waits at every product for the thread that a shared VM slowed.
+ * Each output is the same sum whoever computes it. */
+static void i8_claimed(const pg_linear *L, int64_t T, const pg_step *s, const scratch *sc,
+                       float *y, int i8, int amx, const pg_team *team) {
+    int64_t total = 0, taken = 0, last_type = -1;
+    for (int64_t g = 0; g < L->n_groups; g++)
+        if (i8_group(&L->groups[g], T, s, i8, amx)) total += (L->groups[g].rows + 15) / 16;
+    for (int64_t c; (c = pg_claim(team, total, &taken)) >= 0;) {
+        const pg_weight_group *w = L->groups;
+        int64_t t = c;
+        for (;; w++) { /* the group of tile c, and t within it */
+            const int64_t n = i8_group(w, T, s, i8, amx) ? (w->rows + 15) / 16 : 0;
+            if (t < n) break;
+            t -= n;
+        }
+        const int64_t next = pg_claim_next(team, total, c), after = next < 0 ? -1 : t + (next - c);
+        pg_gemm_i8_tiles((int)w->type, w->data, w->row_bytes, w->rows, L->n_in, sc->bqx, sc->bdx,
+                         sc->bsx, T, y + w->row_start, L->n_out, sc->tile, t, t + 1, after,
+                         w->type == last_type);
+        last_type = w->type;
+    }
+}
+
 /* y = x @ W.T (+ bias) for T rows, with the kernel the module path picks for T rows:
  * this thread's columns of every group, then (after the team has met) its rows of the
  * bias. */
@@ -322,10 +355,13 @@ static void linear(const pg_linear *L, const float *x, int64_t T, float *y, cons
             pg_quantize_q8_part(x, L->n_in, NULL, T, L->n_in, 1, sc->bqx, sc->bdx, sc->bsx, team);
         pg_team_sync(team);
     }
+    const int claim_i8 = i8 && !amx && pg_q8_claim && team->barrier != NULL && team->nth == 2;
+    if (claim_i8) i8_claimed(L, T, s, sc, y, i8, amx, team); /* its groups skipped below */
     for (int64_t g = 0; g < L->n_groups; g++) {
         const pg_weight_group *w = &L->groups[g];
         if (every && q8_group(w))
             continue; /* int8 only, below */
+        if (claim_i8 && i8_group(w, T, s, i8, amx)) continue;
         if (w->block > 0)
             pg_gemm_f32_blocked_part((const float *)w->data, w->block, w->k_pad, w->rows,
                                      L->n_in, x, L->n_in, T, y + w->row_start, L->n_out, team);

@@ -547,15 +547,18 @@ static VNNI512 void tile_vnni(int kind, int off, const uint8_t *tile, int64_t G,
 }
 #endif
 
-/* Thread ith's share of the 16-row tiles; tile: group_bytes * K/32 bytes of scratch. */
-void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
-                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
-                     int64_t ldy, uint8_t *tile, const pg_team *team) {
+/* Tiles [t0, t1) of W (tile t: weight rows [16 t, 16 t + 16)) against the M input rows;
+ * tile: group_bytes * K/32 bytes of scratch. For callers that hand tiles out themselves
+ * (claims as the team goes); pg_gemm_i8_part takes a static share. `after`: the tile this
+ * thread takes next (its bytes are fetched while the last tile computes), -1 if none.
+ * `same`: this thread's previous call had these inputs and a weight of this type, so its
+ * per-group scalars stand (a claimed product's later chunks). */
+void pg_gemm_i8_tiles(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                      const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                      int64_t ldy, uint8_t *tile, int64_t t0, int64_t t1, int64_t after, int same) {
     int off;
     const int kind = type_kind(type, &off);
-    const int64_t G = K / 32, tiles = (N + 15) / 16;
-    int64_t t0, t1;
-    pg_share(tiles, team, &t0, &t1);
+    const int64_t G = K / 32;
 #if defined(PG_X86_DISPATCH) && defined(PG_AVX2)
     if (pg_i8gemm_fast() && t0 < t1) {
         /* each thread its own copy of the per-group scalars (M * G: small beside its tiles) */
@@ -566,14 +569,16 @@ void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, i
             if (grown == NULL) goto portable; /* the portable loops need no scratch */
             terms = grown;
             terms_cap = M * G;
+            same = 0;
         }
-        if (kind != SIGNED16) group_terms(kind, off, DX, SX, M, G, terms);
+        if (kind != SIGNED16 && !same) group_terms(kind, off, DX, SX, M, G, terms);
         for (int64_t t = t0; t < t1; t++) {
             const int64_t r0 = 16 * t, n = N - r0 < 16 ? N - r0 : 16;
             unpack_tile_vec(type, kind, W, row_bytes, N, r0, G, tile);
-            const int64_t next_rows = t + 1 < t1 ? (N - r0 - 16 < 16 ? N - r0 - 16 : 16) : 0;
+            const int64_t nt = t + 1 < t1 ? t + 1 : after; /* the tile after this one */
+            const int64_t next_rows = nt >= 0 && 16 * nt < N ? (N - 16 * nt < 16 ? N - 16 * nt : 16) : 0;
             tile_vnni(kind, off, tile, G, QX, DX, SX, terms, M, K, Y, ldy, r0, n,
-                      next_rows > 0 ? W + (r0 + 16) * row_bytes : NULL, next_rows * row_bytes);
+                      next_rows > 0 ? W + 16 * nt * row_bytes : NULL, next_rows * row_bytes);
         }
         return;
     }
@@ -588,6 +593,15 @@ portable:
             memcpy(Y + m * ldy + r0, out, (size_t)n * sizeof(float));
         }
     }
+}
+
+/* Thread ith's share of the 16-row tiles; tile: group_bytes * K/32 bytes of scratch. */
+void pg_gemm_i8_part(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t K,
+                     const int8_t *QX, const float *DX, const int32_t *SX, int64_t M, float *Y,
+                     int64_t ldy, uint8_t *tile, const pg_team *team) {
+    int64_t t0, t1;
+    pg_share((N + 15) / 16, team, &t0, &t1);
+    pg_gemm_i8_tiles(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, tile, t0, t1, -1, 0);
 }
 
 /* Rows [r0, r0 + 16) of W into a tile of G groups (the layout above), with the vector
@@ -622,14 +636,24 @@ int pg_gemm_i8(int type, const uint8_t *W, int64_t row_bytes, int64_t N, int64_t
     if (K % 32 != 0 || !pg_i8gemm_supported(type) || (pg_rows16(type) && N % 16)) return -1;
     const int64_t bytes = pg_gemm_i8_tile_bytes(type, K);
     int failed = 0;
+    /* tiles claimed as the team goes (pg_claim: two threads from the two ends), not a
+     * static share: a thread that a shared VM slows takes fewer */
+    pg_barrier counter = {0};
+    const int64_t tiles = (N + 15) / 16;
 #pragma omp parallel if (M * N * K >= 1 << 22) reduction(| : failed)
     {
-        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), NULL};
+        const pg_team team = {omp_get_thread_num(), omp_get_num_threads(), &counter};
         uint8_t *tile = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
         if (tile == NULL) {
             failed = 1;
         } else {
-            pg_gemm_i8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, tile, &team);
+            int64_t taken = 0;
+            if (!pg_q8_claim) /* a static split (tests, A/B measurements) */
+                pg_gemm_i8_part(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, tile, &team);
+            else
+                for (int64_t t, same = 0; (t = pg_claim(&team, tiles, &taken)) >= 0; same = 1)
+                    pg_gemm_i8_tiles(type, W, row_bytes, N, K, QX, DX, SX, M, Y, ldy, tile, t, t + 1,
+                                     pg_claim_next(&team, tiles, t), (int)same);
             free(tile);
         }
     }

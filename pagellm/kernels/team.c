@@ -22,8 +22,8 @@
  * decode step"), spins of 10-100 us ran level with each other and well ahead of sleeping at once. */
 int64_t pg_team_spin_ns = 50000;
 
-/* 0: the int8 products split their rows statically instead of claiming them (team.h;
- * for tests and A/B measurements). */
+/* 0: the int8 products split their rows (the int8 GEMM its tiles) statically instead of
+ * claiming them (team.h; for tests and A/B measurements). */
 int pg_q8_claim = 1;
 
 static inline void cpu_relax(void) {

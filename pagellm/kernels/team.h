@@ -29,7 +29,8 @@ typedef struct {
 /* The spin decode_step.c gives its barrier (team.c; settable for experiments). */
 extern int64_t pg_team_spin_ns;
 
-/* Whether int8 products claim their rows in chunks (team.c). */
+/* Whether int8 products claim their work as the team goes (team.c): the decode kernels'
+ * rows in chunks, the int8 GEMM's 16-row tiles one at a time. */
 extern int pg_q8_claim;
 
 typedef struct {
@@ -88,6 +89,13 @@ static inline int64_t pg_claim(const pg_team *team, int64_t n_chunks, int64_t *t
         return -1;
     const int64_t k = (*taken)++;
     return team->ith == 0 ? k : n_chunks - 1 - k;
+}
+
+/* The chunk a thread's next pg_claim would return if the other thread took none before it
+ * (its direction's neighbour of chunk c), or -1: what to fetch ahead of time. */
+static inline int64_t pg_claim_next(const pg_team *team, int64_t n_chunks, int64_t c) {
+    const int64_t next = team->nth == 2 && team->barrier != NULL && team->ith == 1 ? c - 1 : c + 1;
+    return next >= 0 && next < n_chunks ? next : -1;
 }
 
 /* Runs the statement given (which may use `team`) in a region of its own when `parallel`, else on the

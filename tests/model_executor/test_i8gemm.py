@@ -122,6 +122,30 @@ def test_k_quant_r16_tiles_equal_the_files(lib, qtype: str) -> None:
         assert np.array_equal(y.double().numpy(), _gemm_i8(lib, qtype + "_R16", packed, n, rows, wide=True))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_claimed_tiles_equal_a_static_split(lib, qtype: str) -> None:
+    """The int8 GEMM's threads claim its 16-row tiles as they go (pg_q8_claim = 1, the
+    default; two threads from the two ends): every tile computed once, the products bit for
+    bit a static split's, with a short last tile (a row count not a multiple of 16)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing is split")
+    rng = np.random.default_rng(11)
+    k = 512 if qtype.endswith("_K") else 576
+    n = 16 * 45 + 7  # 46 tiles, the last of 7 rows
+    data = random_blocks(qtype, n, k, rng)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(12)).numpy()  # large enough to split
+    claim = ctypes.c_int.in_dll(lib, "pg_q8_claim")
+    assert claim.value == 1
+    claimed = _gemm_i8(lib, qtype, data, n, x, wide=True)
+    try:
+        claim.value = 0
+        static = _gemm_i8(lib, qtype, data, n, x, wide=True)
+    finally:
+        claim.value = 1
+    assert not np.isnan(claimed).any()
+    assert np.array_equal(claimed, static)
+
+
 def test_types_without_an_unpacker_are_refused(lib) -> None:
     for qtype in ("Q2_K", "Q3_K", "IQ4_XS", "F32", "F16"):
         assert not lib.pg_i8gemm_supported(int(gguf.GGMLQuantizationType[qtype]))
