@@ -889,6 +889,20 @@ VNNI512 static ALWAYS_INLINE void r16_rows(const int base, const uint8_t *w16, i
      : type == PG_Q4_1_R16 ? r16_rows(3, w16, K / 32, qx, dx, sx, K, r, ix, acc)           \
                            : r16_rows(8, w16, K / 32, qx, dx, sx, K, r, ix, acc))
 
+/* R16_CALL for a pass of R rows (1..R16_ROWS), each count compiled apart: unrolled, no
+ * masks. */
+#define R16_PASS(R, type, w16, qx, dx, sx, K, ix, acc)                                     \
+    switch (R) {                                                                           \
+        case 1: R16_CALL(type, w16, qx, dx, sx, K, 1, ix, acc); break;                     \
+        case 2: R16_CALL(type, w16, qx, dx, sx, K, 2, ix, acc); break;                     \
+        case 3: R16_CALL(type, w16, qx, dx, sx, K, 3, ix, acc); break;                     \
+        case 4: R16_CALL(type, w16, qx, dx, sx, K, 4, ix, acc); break;                     \
+        case 5: R16_CALL(type, w16, qx, dx, sx, K, 5, ix, acc); break;                     \
+        case 6: R16_CALL(type, w16, qx, dx, sx, K, 6, ix, acc); break;                     \
+        case 7: R16_CALL(type, w16, qx, dx, sx, K, 7, ix, acc); break;                     \
+        default: R16_CALL(type, w16, qx, dx, sx, K, 8, ix, acc); break;                    \
+    }
+
 /* Weight rows [n0, n1) (multiples of 16) of one of the 16-row layouts (pg_rows16) against
  * the P quantized rows, R16_ROWS input rows a pass. */
 VNNI512 static void range_tiles(int type, const uint8_t *W, int64_t row_bytes, int64_t n0, int64_t n1,
@@ -902,18 +916,7 @@ VNNI512 static void range_tiles(int type, const uint8_t *W, int64_t row_bytes, i
             const float *dx = DX + m0 * (K / 32);
             const int32_t *sx = SX + m0 * (K / 16);
             __m512 acc[R16_ROWS];
-#define R16_BASES(r) R16_CALL(type, w16, qx, dx, sx, K, r, NULL, acc)
-            switch (R) { /* each count and type compiled apart: unrolled, no masks */
-                case 1: R16_BASES(1); break;
-                case 2: R16_BASES(2); break;
-                case 3: R16_BASES(3); break;
-                case 4: R16_BASES(4); break;
-                case 5: R16_BASES(5); break;
-                case 6: R16_BASES(6); break;
-                case 7: R16_BASES(7); break;
-                default: R16_BASES(8); break;
-            }
-#undef R16_BASES
+            R16_PASS(R, type, w16, qx, dx, sx, K, NULL, acc)
             /* store_sums' sums, 16 columns a vector: the levels added in its order */
             for (int r = 0; r < R; r += (int)levels) {
                 const int64_t m = (m0 + r) / levels;
@@ -940,18 +943,7 @@ VNNI512 static ALWAYS_INLINE void head_tile(int type, const uint8_t *w16, int64_
         const float *dx = ix != NULL ? DX : DX + m0 * (K / 32);
         const int32_t *sx = ix != NULL ? SX : SX + m0 * (K / 16);
         __m512 acc[R16_ROWS];
-#define R16_LISTED(r) R16_CALL(type, w16, qx, dx, sx, K, r, rows, acc)
-        switch (R) {
-            case 1: R16_LISTED(1); break;
-            case 2: R16_LISTED(2); break;
-            case 3: R16_LISTED(3); break;
-            case 4: R16_LISTED(4); break;
-            case 5: R16_LISTED(5); break;
-            case 6: R16_LISTED(6); break;
-            case 7: R16_LISTED(7); break;
-            default: R16_LISTED(8); break;
-        }
-#undef R16_LISTED
+        R16_PASS(R, type, w16, qx, dx, sx, K, rows, acc)
         for (int r = 0; r < R; r++) {
             const int64_t m = yr != NULL ? yr[m0 + r] : m0 + r;
             float *y = Y + m * ldy;
